@@ -1,0 +1,45 @@
+"""Trains a Llama-family model.
+
+  python experiments/train.py                      # tiny model on stdlib text, ~1 min on 2 CPU cores
+  python experiments/train.py --model=small --steps=1000 --workdir=runs/small
+
+Writes <workdir>/metrics.jsonl (one JSON object per logged step) and <workdir>/loss.png.
+"""
+
+from absl import app, flags, logging
+
+from megatrain_jax import train as train_lib
+
+_D = train_lib.TrainConfig()
+flags.DEFINE_string("workdir", _D.workdir, "Output directory.")
+flags.DEFINE_string("model", _D.model, "Model size: one of megatrain_jax.PRESETS.")
+flags.DEFINE_enum("engine", _D.engine, list(train_lib.ENGINES), "Trainer.")
+flags.DEFINE_integer("steps", _D.steps, "Training steps.")
+flags.DEFINE_integer("batch_size", _D.batch_size, "Sequences per step.")
+flags.DEFINE_integer("seq_len", _D.seq_len, "Tokens per sequence.")
+flags.DEFINE_float("lr", _D.lr, "Peak learning rate (warmup, then cosine decay).")
+flags.DEFINE_integer("warmup_steps", _D.warmup_steps, "Linear warmup steps.")
+flags.DEFINE_string("data", _D.data, "Comma-separated files/directories, or 'stdlib'.")
+flags.DEFINE_integer("max_data_bytes", _D.max_data_bytes, "Stop reading data after this many bytes.")
+flags.DEFINE_integer("seed", _D.seed, "Seed for init and data order.")
+flags.DEFINE_integer("log_every", _D.log_every, "Log every N steps.")
+flags.DEFINE_enum("compute_dtype", _D.compute_dtype, list(train_lib.DTYPES), "Compute dtype; masters stay fp32.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  tc = train_lib.TrainConfig(
+      workdir=FLAGS.workdir, model=FLAGS.model, engine=FLAGS.engine, steps=FLAGS.steps,
+      batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, lr=FLAGS.lr,
+      warmup_steps=FLAGS.warmup_steps, data=FLAGS.data, max_data_bytes=FLAGS.max_data_bytes,
+      seed=FLAGS.seed, log_every=FLAGS.log_every, compute_dtype=FLAGS.compute_dtype)
+  try:
+    train_lib.run(tc)
+  except (ValueError, FileNotFoundError) as e:
+    raise app.UsageError(str(e)) from None
+
+
+if __name__ == "__main__":
+  app.run(main)

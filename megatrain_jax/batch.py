@@ -1,0 +1,52 @@
+"""The batch format every trainer takes, and its validation."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import numpy as np
+
+from megatrain_jax.models.config import LlamaConfig
+
+BATCH_KEYS = ("input_ids", "labels", "loss_mask")
+
+
+def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+  """Validates a batch and returns it as host numpy arrays of the right dtypes.
+
+  A batch is {"input_ids": int32[B, T], "labels": int32[B, T],
+  "loss_mask": float32[B, T]}; `labels[b, t]` is the token that follows
+  `input_ids[b, t]`.
+  """
+  if not isinstance(batch, Mapping):
+    raise TypeError(f"A batch is a dict with keys {BATCH_KEYS}, got "
+                    f"{type(batch).__name__}.")
+  missing = [k for k in BATCH_KEYS if k not in batch]
+  if missing:
+    raise ValueError(f"Batch is missing {missing}; a batch needs {BATCH_KEYS}.")
+  out = {
+      "input_ids": np.asarray(batch["input_ids"]),
+      "labels": np.asarray(batch["labels"]),
+      "loss_mask": np.asarray(batch["loss_mask"], np.float32),
+  }
+  shape = out["input_ids"].shape
+  for key, arr in out.items():
+    if arr.ndim != 2 or arr.shape != shape:
+      raise ValueError(f"batch[{key!r}] has shape {arr.shape}; every batch entry "
+                       f"must be [batch, seq] like input_ids {shape}.")
+  b, t = shape
+  if b == 0 or t == 0:
+    raise ValueError(f"Empty batch of shape {shape}.")
+  if t > cfg.max_seq_len:
+    raise ValueError(f"Batch sequence length {t} exceeds the model's max_seq_len="
+                     f"{cfg.max_seq_len}; shorten --seq_len or raise max_seq_len.")
+  for key in ("input_ids", "labels"):
+    arr = out[key]
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"batch[{key!r}] must hold integer token ids, got {arr.dtype}.")
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < 0 or hi >= cfg.vocab_size:
+      raise ValueError(f"batch[{key!r}] holds token ids in [{lo}, {hi}], outside the "
+                       f"model's vocabulary [0, {cfg.vocab_size}).")
+    out[key] = arr.astype(np.int32)
+  return out

@@ -1,0 +1,93 @@
+"""Reading raw text: plain files, JSONL {"text": ...}, and the embedded stdlib corpus."""
+
+from __future__ import annotations
+
+import json
+import os
+import sysconfig
+from typing import Iterator, Sequence
+
+from absl import logging
+
+STDLIB = "stdlib"
+TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
+
+
+def stdlib_files() -> list[str]:
+  """The Python standard library's own .py files, sorted: text on every machine."""
+  root = sysconfig.get_paths()["stdlib"]
+  files = []
+  for dirpath, dirnames, filenames in os.walk(root):
+    dirnames[:] = sorted(d for d in dirnames
+                         if d not in ("site-packages", "dist-packages", "__pycache__"))
+    files.extend(os.path.join(dirpath, f) for f in sorted(filenames) if f.endswith(".py"))
+  return files
+
+
+def _expand(path: str) -> list[str]:
+  if path == STDLIB:
+    return stdlib_files()
+  if not os.path.exists(path):
+    raise FileNotFoundError(f"Data path {path!r} does not exist; pass existing files "
+                            f"or directories, or {STDLIB!r} for the embedded corpus.")
+  if os.path.isdir(path):
+    found = []
+    for dirpath, dirnames, filenames in os.walk(path):
+      dirnames.sort()
+      found.extend(os.path.join(dirpath, f) for f in sorted(filenames)
+                   if f.endswith(TEXT_SUFFIXES + (".jsonl",)))
+    if not found:
+      raise ValueError(f"Data directory {path!r} holds no text files "
+                       f"({', '.join(TEXT_SUFFIXES + ('.jsonl',))}).")
+    return found
+  return [path]
+
+
+def _jsonl_texts(path: str) -> Iterator[str]:
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
+      if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+        raise ValueError(f'{path}:{lineno}: a JSONL record needs a string "text" field.')
+      yield record["text"]
+
+
+def read_documents(paths: Sequence[str] | str, max_bytes: int | None = None
+                   ) -> list[str]:
+  """Documents from `paths` (files, directories, or "stdlib"), in a fixed order.
+
+  A `.jsonl` file gives one document per line's "text"; any other file is one
+  document. Reading stops once `max_bytes` of text are collected.
+  """
+  if isinstance(paths, str):
+    paths = [p for p in paths.split(",") if p.strip()]
+  paths = [p.strip() for p in paths]
+  if not paths or any(not p for p in paths):
+    raise ValueError("No data path given: pass files, directories, or "
+                     f"{STDLIB!r} for the embedded corpus.")
+  docs, total = [], 0
+  for path in paths:
+    for file in _expand(path):
+      if file.endswith(".jsonl"):
+        texts = _jsonl_texts(file)
+      else:
+        with open(file, encoding="utf-8", errors="replace") as f:
+          texts = iter([f.read()])
+      for text in texts:
+        if text:
+          docs.append(text)
+          total += len(text)
+        if max_bytes is not None and total >= max_bytes:
+          logging.info("Read %d documents (%.1f MB) from %s.", len(docs), total / 1e6,
+                       ",".join(paths))
+          return docs
+  if not docs:
+    raise ValueError(f"Data paths {list(paths)} hold no text.")
+  logging.info("Read %d documents (%.1f MB) from %s.", len(docs), total / 1e6,
+               ",".join(paths))
+  return docs

@@ -1,0 +1,78 @@
+"""Packing token streams into fixed-length sequences and batching them."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterator, Sequence
+
+import numpy as np
+
+from megatrain_jax.data.tokenizer import ByteTokenizer
+
+
+def pack(docs: Sequence[str], seq_len: int, tokenizer: ByteTokenizer | None = None
+         ) -> np.ndarray:
+  """Concatenates documents (each ended by EOS) and cuts [N, seq_len + 1] windows.
+
+  Consecutive windows share one token, so every token is a label exactly once.
+  """
+  if seq_len <= 0:
+    raise ValueError(f"seq_len must be positive, got {seq_len}.")
+  tok = tokenizer or ByteTokenizer()
+  stream = np.fromiter(
+      (i for doc in docs for i in tok.encode(doc, add_eos=True)), dtype=np.int32)
+  n = (len(stream) - 1) // seq_len
+  if n < 1:
+    raise ValueError(f"The data holds {len(stream)} tokens, fewer than one sequence "
+                     f"of seq_len + 1 = {seq_len + 1}; add data or shorten --seq_len.")
+  idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+  return stream[idx]
+
+
+@dataclasses.dataclass
+class DataPosition:
+  """Where a `PackedDataset` iterator stands; saved in checkpoints."""
+  epoch: int = 0
+  index: int = 0
+
+
+class PackedDataset:
+  """Shuffled batches of packed sequences, deterministic for a seed.
+
+  Each epoch uses the permutation of `np.random.default_rng([seed, epoch])`;
+  a partial last batch of an epoch is dropped.
+  """
+
+  def __init__(self, windows_NxT1: np.ndarray, batch_size: int, seed: int):
+    if batch_size <= 0:
+      raise ValueError(f"batch_size must be positive, got {batch_size}.")
+    if len(windows_NxT1) < batch_size:
+      raise ValueError(f"The data packs into {len(windows_NxT1)} sequences, fewer than "
+                       f"one batch of {batch_size}; add data or lower --batch_size.")
+    self.windows = windows_NxT1
+    self.batch_size = batch_size
+    self.seed = seed
+    self.position = DataPosition()
+
+  @property
+  def batches_per_epoch(self) -> int:
+    return len(self.windows) // self.batch_size
+
+  def _order(self, epoch: int) -> np.ndarray:
+    return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
+
+  def next_batch(self) -> dict[str, np.ndarray]:
+    pos = self.position
+    if pos.index >= self.batches_per_epoch:
+      pos.epoch, pos.index = pos.epoch + 1, 0
+    rows = self._order(pos.epoch)[pos.index * self.batch_size:
+                                  (pos.index + 1) * self.batch_size]
+    pos.index += 1
+    w = self.windows[rows]
+    return {"input_ids": w[:, :-1].astype(np.int32),
+            "labels": w[:, 1:].astype(np.int32),
+            "loss_mask": np.ones(w[:, 1:].shape, np.float32)}
+
+  def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
+    while True:
+      yield self.next_batch()

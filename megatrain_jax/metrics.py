@@ -1,0 +1,71 @@
+"""Throughput accounting and the run's metric files (metrics.jsonl, loss.png)."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Sequence
+
+from megatrain_jax.models.config import LlamaConfig
+
+
+def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+  """Model FLOPs per trained token, forward + backward, recompute excluded.
+
+  6 x non-embedding parameters (blocks and final norm), plus the LM head's
+  [D, V] matmul (6 x D x V: real work, unlike the embedding lookup), plus
+  attention scores and weighted values: 4 x T x D per layer forward, x3 for
+  forward + backward = 12 x n_layers x T x D. Causal masking is not discounted,
+  as in the usual MFU convention.
+  """
+  n = cfg.param_count(include_embeddings=False)
+  head = cfg.d_model * cfg.vocab_size
+  return 6.0 * (n + head) + 12.0 * cfg.n_layers * seq_len * cfg.d_model
+
+
+def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+  """Extra hardware FLOPs per token of recomputing every block's forward once."""
+  return 2.0 * cfg.n_layers * cfg.block_param_count() + 4.0 * cfg.n_layers * seq_len * cfg.d_model
+
+
+class MetricsWriter:
+  """Appends one JSON object per logged step to `<workdir>/metrics.jsonl`."""
+
+  def __init__(self, workdir: str, append: bool = False):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, "metrics.jsonl")
+    self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+
+  def write(self, record: dict[str, Any]) -> None:
+    self._file.write(json.dumps(record, sort_keys=True) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+  with open(path, encoding="utf-8") as f:
+    return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = "") -> None:
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  fig, ax = plt.subplots(figsize=(6, 4))
+  ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+  ax.set_xlabel("step")
+  ax.set_ylabel("loss (nats/token)")
+  ax.set_title(title or "training loss")
+  ax.grid(alpha=0.3)
+  fig.tight_layout()
+  fig.savefig(out_png, dpi=100)
+  plt.close(fig)

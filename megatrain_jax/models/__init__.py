@@ -1,0 +1,5 @@
+"""Llama-family models: config, pure per-unit functions, NNX model, loss."""
+
+from megatrain_jax.models.config import LlamaConfig, PRESETS, preset
+from megatrain_jax.models.llama import Llama, Unit
+from megatrain_jax.models import llama, loss

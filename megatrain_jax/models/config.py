@@ -1,0 +1,107 @@
+"""One parameterized config for the Llama family (Llama, Qwen2, Mistral)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+  """Shape of a decoder-only Llama-family model.
+
+  Qwen2 is `qkv_bias=True`; Mistral (without an active sliding window) and Llama
+  are the defaults. Every field is validated at construction, so a bad value fails
+  here, naming the field, and not deep inside a JAX trace.
+  """
+
+  vocab_size: int = 260
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  n_kv_heads: int = 2
+  d_ff: int = 384
+  max_seq_len: int = 512
+  rope_theta: float = 10000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = False
+  qkv_bias: bool = False
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                 "d_ff", "max_seq_len"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"LlamaConfig.{name} must be a positive integer, got {value!r}.")
+    for name in ("rope_theta", "norm_eps"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(
+            f"LlamaConfig.{name} must be a positive number, got {value!r}.")
+    if self.d_model % self.n_heads:
+      raise ValueError(
+          f"LlamaConfig.d_model={self.d_model} is not divisible by "
+          f"n_heads={self.n_heads}; choose n_heads dividing d_model.")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
+          f"n_kv_heads={self.n_kv_heads}; grouped-query attention needs "
+          "n_kv_heads to divide n_heads.")
+    if self.head_dim % 2:
+      raise ValueError(
+          f"LlamaConfig head dim d_model/n_heads={self.head_dim} is odd; rotary "
+          "embeddings rotate pairs of features and need an even head dim.")
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  def replace(self, **changes: Any) -> "LlamaConfig":
+    return dataclasses.replace(self, **changes)
+
+  def to_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+  def block_param_count(self) -> int:
+    """Parameters of one decoder block."""
+    d, hd = self.d_model, self.head_dim
+    q, kv = self.n_heads * hd, self.n_kv_heads * hd
+    attn = d * q + 2 * d * kv + q * d
+    if self.qkv_bias:
+      attn += q + 2 * kv
+    mlp = 3 * d * self.d_ff
+    return attn + mlp + 2 * d
+
+  def param_count(self, include_embeddings: bool = True) -> int:
+    """Total parameters; `include_embeddings=False` drops embedding and LM head."""
+    n = self.n_layers * self.block_param_count() + self.d_model  # + final norm
+    if include_embeddings:
+      n += self.vocab_size * self.d_model
+      if not self.tie_embeddings:
+        n += self.vocab_size * self.d_model
+    return n
+
+
+# Named sizes for the launcher. `tiny` trains in about a minute on 2 CPU cores.
+PRESETS: dict[str, LlamaConfig] = {
+    "tiny": LlamaConfig(vocab_size=260, d_model=128, n_layers=4, n_heads=4,
+                        n_kv_heads=2, d_ff=384, max_seq_len=512),
+    "small": LlamaConfig(vocab_size=260, d_model=256, n_layers=8, n_heads=8,
+                         n_kv_heads=4, d_ff=768, max_seq_len=1024),
+    "medium": LlamaConfig(vocab_size=260, d_model=512, n_layers=8, n_heads=8,
+                          n_kv_heads=4, d_ff=1536, max_seq_len=2048),
+    # About 350M parameters: the smallest size the host-memory figures use.
+    "350m": LlamaConfig(vocab_size=32000, d_model=1024, n_layers=24, n_heads=16,
+                        n_kv_heads=8, d_ff=2816, max_seq_len=2048),
+    # Llama-2-7B's shape (6.74B parameters).
+    "7b": LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+                      n_kv_heads=32, d_ff=11008, max_seq_len=4096),
+}
+
+
+def preset(name: str) -> LlamaConfig:
+  if name not in PRESETS:
+    raise ValueError(
+        f"Unknown model size {name!r}; choose one of {sorted(PRESETS)}.")
+  return PRESETS[name]

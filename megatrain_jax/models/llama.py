@@ -1,0 +1,252 @@
+"""Llama-family decoder: pure per-unit functions and the Flax NNX model over them.
+
+The model is three kinds of *unit*, each with a plain parameter tree and a pure
+function, which is what lets an engine run it one unit at a time:
+
+  embed  {"embedding": V x D}                          ids -> x
+  block  {"attn_norm", "attn": {q,k,v,o}, "mlp_norm",  x -> x   (n_layers of them)
+          "mlp": {gate, up, down}}
+  head   {"final_norm": {"scale"}, ["lm_head": {"kernel": D x V}]}   x -> logits
+
+The whole model's tree is {"embed": ..., "blocks": [block, ...], "head": ...}. With
+`tie_embeddings` the head has no "lm_head" and uses the embedding's transpose.
+Linear kernels are [in, out]. Parameters are fp32; `compute_dtype` casts them
+(and the activations) when a unit runs. Initialisation derives one PRNG key per
+unit from a base key, so the engine can build any unit alone, on the host, and
+get the same values the NNX model would.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from megatrain_jax.models.config import LlamaConfig
+
+Params = dict[str, Any]
+INIT_STD = 0.02
+
+
+# ----------------------------------------------------------------------------
+# Initialisation (pure).
+# ----------------------------------------------------------------------------
+
+def unit_key(base_key: jax.Array, unit: str, index: int = 0) -> jax.Array:
+  """The PRNG key of one unit: `unit` in {"embed", "block", "head"}."""
+  kind = {"embed": 0, "block": 1, "head": 2}[unit]
+  return jax.random.fold_in(jax.random.fold_in(base_key, kind), index)
+
+
+def _normal(key, shape):
+  return INIT_STD * jax.random.normal(key, shape, jnp.float32)
+
+
+def init_embed(cfg: LlamaConfig, key: jax.Array) -> Params:
+  return {"embedding": _normal(key, (cfg.vocab_size, cfg.d_model))}
+
+
+def init_block(cfg: LlamaConfig, key: jax.Array) -> Params:
+  d, hd = cfg.d_model, cfg.head_dim
+  q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
+  kq, kk, kv, ko, kg, ku, kd = jax.random.split(key, 7)
+
+  def dense(k, n_in, n_out, bias=False):
+    p = {"kernel": _normal(k, (n_in, n_out))}
+    if bias:
+      p["bias"] = jnp.zeros((n_out,), jnp.float32)
+    return p
+
+  return {
+      "attn_norm": {"scale": jnp.ones((d,), jnp.float32)},
+      "attn": {
+          "q": dense(kq, d, q_dim, cfg.qkv_bias),
+          "k": dense(kk, d, kv_dim, cfg.qkv_bias),
+          "v": dense(kv, d, kv_dim, cfg.qkv_bias),
+          "o": dense(ko, q_dim, d),
+      },
+      "mlp_norm": {"scale": jnp.ones((d,), jnp.float32)},
+      "mlp": {
+          "gate": dense(kg, d, cfg.d_ff),
+          "up": dense(ku, d, cfg.d_ff),
+          "down": dense(kd, cfg.d_ff, d),
+      },
+  }
+
+
+def init_head(cfg: LlamaConfig, key: jax.Array) -> Params:
+  p = {"final_norm": {"scale": jnp.ones((cfg.d_model,), jnp.float32)}}
+  if not cfg.tie_embeddings:
+    p["lm_head"] = {"kernel": _normal(key, (cfg.d_model, cfg.vocab_size))}
+  return p
+
+
+def init_params(cfg: LlamaConfig, key: jax.Array) -> Params:
+  """The whole tree (device-resident); engines init unit by unit instead."""
+  return {
+      "embed": init_embed(cfg, unit_key(key, "embed")),
+      "blocks": [init_block(cfg, unit_key(key, "block", i))
+                 for i in range(cfg.n_layers)],
+      "head": init_head(cfg, unit_key(key, "head")),
+  }
+
+
+# ----------------------------------------------------------------------------
+# Forward (pure).
+# ----------------------------------------------------------------------------
+
+def _cast(tree, dtype):
+  return jax.tree.map(lambda a: a.astype(dtype), tree)
+
+
+def rms_norm(x_BxTxD, scale_D, eps):
+  x32 = x_BxTxD.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  return (y * scale_D.astype(jnp.float32)).astype(x_BxTxD.dtype)
+
+
+def rotary(x_BxTxHxK, positions_T, theta):
+  """Rotary embedding, half-split layout (as in Hugging Face Llama)."""
+  k = x_BxTxHxK.shape[-1]
+  inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
+  angles_TxK2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+  cos = jnp.cos(angles_TxK2)[None, :, None, :]
+  sin = jnp.sin(angles_TxK2)[None, :, None, :]
+  x32 = x_BxTxHxK.astype(jnp.float32)
+  x1, x2 = x32[..., : k // 2], x32[..., k // 2:]
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x_BxTxHxK.dtype)
+
+
+def _dense(p, x):
+  y = x @ p["kernel"]
+  if "bias" in p:
+    y = y + p["bias"]
+  return y
+
+
+def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
+  b, t, _ = x_BxTxD.shape
+  hd = cfg.head_dim
+  q = _dense(p["q"], x_BxTxD).reshape(b, t, cfg.n_heads, hd)
+  k = _dense(p["k"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
+  v = _dense(p["v"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
+  q = rotary(q, positions_T, cfg.rope_theta)
+  k = rotary(k, positions_T, cfg.rope_theta)
+  # Grouped-query attention: jax.nn.dot_product_attention takes K/V with fewer
+  # heads than Q when n_kv_heads divides n_heads.
+  o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd))
+
+
+def mlp(p: Params, x_BxTxD):
+  return _dense(p["down"], jax.nn.silu(_dense(p["gate"], x_BxTxD))
+                * _dense(p["up"], x_BxTxD))
+
+
+def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):
+  return jnp.take(p["embedding"], ids_BxT, axis=0).astype(compute_dtype)
+
+
+def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None):
+  """One decoder block; computes in x's dtype (params are cast to it)."""
+  p = _cast(p, x_BxTxD.dtype)
+  if positions_T is None:
+    positions_T = jnp.arange(x_BxTxD.shape[1])
+  h = x_BxTxD + attention(cfg, p["attn"],
+                          rms_norm(x_BxTxD, p["attn_norm"]["scale"], cfg.norm_eps),
+                          positions_T)
+  return h + mlp(p["mlp"], rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps))
+
+
+def head_norm(cfg: LlamaConfig, head_p: Params, x_BxTxD):
+  return rms_norm(x_BxTxD, head_p["final_norm"]["scale"].astype(x_BxTxD.dtype),
+                  cfg.norm_eps)
+
+
+def head_kernel(cfg: LlamaConfig, head_p: Params, embed_p: Params | None):
+  """The LM head's [D, V] kernel: its own, or the tied embedding's transpose."""
+  if cfg.tie_embeddings:
+    if embed_p is None:
+      raise ValueError("A tied-embedding head needs the embedding parameters.")
+    return embed_p["embedding"].T
+  return head_p["lm_head"]["kernel"]
+
+
+def logits_apply(cfg: LlamaConfig, head_p: Params, embed_p: Params | None, x_BxTxD):
+  """Full logits in fp32 (for inference and tests; training uses the chunked loss)."""
+  h = head_norm(cfg, head_p, x_BxTxD)
+  w = head_kernel(cfg, head_p, embed_p).astype(h.dtype)
+  return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+
+
+def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32):
+  """Logits of the whole model from its parameter tree."""
+  x = embed_apply(params["embed"], ids_BxT, compute_dtype)
+  for p in params["blocks"]:
+    x = block_apply(cfg, p, x)
+  return logits_apply(cfg, params["head"], params["embed"], x)
+
+
+# ----------------------------------------------------------------------------
+# Flax NNX model: a stateful view over the same trees.
+# ----------------------------------------------------------------------------
+
+def _wrap(tree):
+  return jax.tree.map(nnx.Param, tree)
+
+
+def _unwrap(tree):
+  return jax.tree.map(lambda p: p[...], tree,
+                      is_leaf=lambda x: isinstance(x, nnx.Param))
+
+
+class Unit(nnx.Module):
+  """One unit's parameters, as NNX Params in a nested dict of the unit's layout."""
+
+  def __init__(self, tree: Params):
+    self.p = nnx.data(_wrap(tree))
+
+  def tree(self) -> Params:
+    return _unwrap(self.p)
+
+  def set_tree(self, tree: Params) -> None:
+    jax.tree.map(lambda param, v: param.set_value(jnp.asarray(v, jnp.float32)),
+                 self.p, tree, is_leaf=lambda x: isinstance(x, nnx.Param))
+
+
+class Llama(nnx.Module):
+  """Llama / Qwen2 / Mistral decoder. `model(ids) -> logits` (fp32).
+
+  Decomposition for engines: `model.embed`, `model.blocks[i]`, `model.head` are
+  `Unit`s whose `.tree()` feeds the pure `embed_apply`, `block_apply` and head
+  functions of this module; `model.param_tree()` is the whole tree.
+  """
+
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs,
+               compute_dtype=jnp.float32):
+    if not isinstance(cfg, LlamaConfig):
+      raise TypeError(f"Llama needs a LlamaConfig, got {type(cfg).__name__}.")
+    self.cfg = cfg
+    self.compute_dtype = compute_dtype
+    base = rngs.params()
+    self.embed = Unit(init_embed(cfg, unit_key(base, "embed")))
+    self.blocks = nnx.List([Unit(init_block(cfg, unit_key(base, "block", i)))
+                            for i in range(cfg.n_layers)])
+    self.head = Unit(init_head(cfg, unit_key(base, "head")))
+
+  def param_tree(self) -> Params:
+    return {"embed": self.embed.tree(),
+            "blocks": [b.tree() for b in self.blocks],
+            "head": self.head.tree()}
+
+  def load_param_tree(self, params: Params) -> None:
+    self.embed.set_tree(params["embed"])
+    for block, p in zip(self.blocks, params["blocks"], strict=True):
+      block.set_tree(p)
+    self.head.set_tree(params["head"])
+
+  def __call__(self, ids_BxT):
+    return forward(self.cfg, self.param_tree(), ids_BxT, self.compute_dtype)

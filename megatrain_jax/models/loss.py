@@ -1,0 +1,83 @@
+"""Masked next-token cross-entropy, computed a chunk of tokens at a time.
+
+`labels` already hold the next token of each position (the data pipeline shifts
+them), so the loss is sum(mask * ce) / sum(mask) over the whole batch. The head's
+[D, V] matmul runs on `chunk_tokens` tokens at a time under `jax.checkpoint` inside
+a scan, so at most one chunk's fp32 logits [chunk, V] are alive, in the forward
+and in the backward, however large B x T x V is.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax.models import llama
+from megatrain_jax.models.config import LlamaConfig
+
+# Budget for one chunk of fp32 logits.
+DEFAULT_LOGITS_CHUNK_BYTES = 256 * 2**20
+
+
+def default_chunk_tokens(vocab_size: int, n_tokens: int,
+                         chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES) -> int:
+  return max(1, min(n_tokens, chunk_bytes // (4 * vocab_size)))
+
+
+def cross_entropy_sum(h_NxD, w_DxV, labels_N, mask_N, chunk_tokens: int):
+  """Returns sum(mask * ce) over N tokens, `chunk_tokens` tokens at a time."""
+  n, d = h_NxD.shape
+  chunk = max(1, min(int(chunk_tokens), n))
+  n_chunks = -(-n // chunk)
+  pad = n_chunks * chunk - n
+  if pad:
+    h_NxD = jnp.pad(h_NxD, ((0, pad), (0, 0)))
+    labels_N = jnp.pad(labels_N, (0, pad))
+    mask_N = jnp.pad(mask_N, (0, pad))
+  w = w_DxV.astype(h_NxD.dtype)
+
+  @jax.checkpoint
+  def chunk_sum(h_CxD, labels_C, mask_C):
+    logits_CxV = jnp.dot(h_CxD, w, preferred_element_type=jnp.float32)
+    lse_C = jax.nn.logsumexp(logits_CxV, axis=-1)
+    label_logit_C = jnp.take_along_axis(logits_CxV, labels_C[:, None], axis=-1)[:, 0]
+    return jnp.sum(mask_C * (lse_C - label_logit_C))
+
+  if n_chunks == 1:
+    return chunk_sum(h_NxD, labels_N, mask_N)
+
+  def body(total, xs):
+    return total + chunk_sum(*xs), None
+
+  total, _ = jax.lax.scan(
+      body, jnp.zeros((), jnp.float32),
+      (h_NxD.reshape(n_chunks, chunk, d), labels_N.reshape(n_chunks, chunk),
+       mask_N.reshape(n_chunks, chunk)))
+  return total
+
+
+def head_loss_sum(cfg: LlamaConfig, head_p, embed_p, x_BxTxD, labels_BxT,
+                  loss_mask_BxT, chunk_tokens: int | None = None):
+  """Final norm + LM head + masked CE, summed (not yet divided by sum(mask))."""
+  b, t, d = x_BxTxD.shape
+  h = llama.head_norm(cfg, head_p, x_BxTxD).reshape(b * t, d)
+  w = llama.head_kernel(cfg, head_p, embed_p)
+  if chunk_tokens is None:
+    chunk_tokens = default_chunk_tokens(cfg.vocab_size, b * t)
+  return cross_entropy_sum(h, w, labels_BxT.reshape(-1),
+                           loss_mask_BxT.reshape(-1).astype(jnp.float32),
+                           chunk_tokens)
+
+
+def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
+               chunk_tokens: int | None = None, remat: bool = False):
+  """Mean masked CE of the whole model on a batch (the resident path)."""
+  block = lambda p, x: llama.block_apply(cfg, p, x)
+  if remat:
+    block = jax.checkpoint(block)
+  x = llama.embed_apply(params["embed"], batch["input_ids"], compute_dtype)
+  for p in params["blocks"]:
+    x = block(p, x)
+  total = head_loss_sum(cfg, params["head"], params["embed"], x, batch["labels"],
+                        batch["loss_mask"], chunk_tokens)
+  return total / jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)

@@ -1,0 +1,122 @@
+"""The training loop behind `experiments/train.py`, importable from a notebook."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+from flax import nnx
+
+from megatrain_jax import data as data_lib
+from megatrain_jax import metrics as metrics_lib
+from megatrain_jax.models.config import LlamaConfig, preset
+from megatrain_jax.models.llama import Llama
+from megatrain_jax.resident import ResidentTrainer
+
+ENGINES = ("resident",)
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """One training run. The defaults are the README's main job (tiny model, stdlib)."""
+
+  workdir: str = "runs/default"
+  model: str | LlamaConfig = "tiny"
+  engine: str = "resident"
+  steps: int = 300
+  batch_size: int = 16
+  seq_len: int = 128
+  lr: float = 3e-3
+  warmup_steps: int = 20
+  weight_decay: float = 0.01
+  data: str = data_lib.STDLIB
+  max_data_bytes: int | None = 4_000_000
+  seed: int = 0
+  log_every: int = 10
+  compute_dtype: str = "float32"
+  progress: bool = True
+
+  def model_config(self) -> LlamaConfig:
+    return preset(self.model) if isinstance(self.model, str) else self.model
+
+  def validate(self) -> None:
+    cfg = self.model_config()
+    for name in ("steps", "batch_size", "seq_len", "log_every"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+    if self.seq_len > cfg.max_seq_len:
+      raise ValueError(f"--seq_len={self.seq_len} exceeds the model's max_seq_len="
+                       f"{cfg.max_seq_len}; lower --seq_len or pick a larger --model.")
+    if self.engine not in ENGINES:
+      raise ValueError(f"--engine={self.engine!r} is not one of {ENGINES}.")
+    if self.compute_dtype not in DTYPES:
+      raise ValueError(f"--compute_dtype={self.compute_dtype!r} is not one of "
+                       f"{sorted(DTYPES)}.")
+    if not self.lr > 0:
+      raise ValueError(f"--lr must be positive, got {self.lr}.")
+    if cfg.vocab_size < data_lib.ByteTokenizer.vocab_size:
+      raise ValueError(f"The model's vocab_size={cfg.vocab_size} is smaller than the byte "
+                       f"tokenizer's {data_lib.ByteTokenizer.vocab_size} ids.")
+
+
+def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  schedule = optax.warmup_cosine_decay_schedule(
+      0.0, tc.lr, min(tc.warmup_steps, tc.steps), tc.steps, end_value=0.1 * tc.lr)
+  return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
+
+
+def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
+  model = Llama(cfg, rngs=nnx.Rngs(params=jax.random.key(tc.seed)))
+  return ResidentTrainer(model, make_optimizer(tc),
+                         compute_dtype=DTYPES[tc.compute_dtype])
+
+
+def run(tc: TrainConfig) -> list[dict[str, Any]]:
+  """Trains as `tc` says; writes metrics.jsonl and loss.png in `tc.workdir`."""
+  tc.validate()
+  cfg = tc.model_config()
+  docs = data_lib.read_documents(tc.data, max_bytes=tc.max_data_bytes)
+  dataset = data_lib.PackedDataset(data_lib.pack(docs, tc.seq_len), tc.batch_size,
+                                   tc.seed)
+  logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens; engine=%s.",
+               tc.model if isinstance(tc.model, str) else "custom",
+               cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len, tc.engine)
+  trainer = make_trainer(tc, cfg)
+  flops_per_token = metrics_lib.model_flops_per_token(cfg, tc.seq_len)
+  os.makedirs(tc.workdir, exist_ok=True)
+  records: list[dict[str, Any]] = []
+  bar = None
+  if tc.progress:
+    from tqdm import tqdm
+    bar = tqdm(total=tc.steps, desc="train", unit="step", dynamic_ncols=True)
+  with metrics_lib.MetricsWriter(tc.workdir) as writer:
+    for step in range(1, tc.steps + 1):
+      batch = dataset.next_batch()
+      t0 = time.perf_counter()
+      m = trainer.step(batch)
+      dt = time.perf_counter() - t0
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(loss=f"{m['loss']:.3f}")
+      if step == 1 or step % tc.log_every == 0 or step == tc.steps:
+        record = {"step": step, "loss": m["loss"], "grad_norm": m.get("grad_norm"),
+                  "step_time_s": dt, "tokens_per_s": m["tokens"] / dt,
+                  "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12}
+        writer.write(record)
+        records.append(record)
+        logging.info("step %d  loss %.4f  %.0f tok/s", step, m["loss"],
+                     record["tokens_per_s"])
+  if bar is not None:
+    bar.close()
+  metrics_lib.plot_loss(records, os.path.join(tc.workdir, "loss.png"),
+                        title=f"{tc.model if isinstance(tc.model, str) else 'custom'} "
+                              f"({tc.engine})")
+  logging.info("Wrote %s and loss.png.", writer.path)
+  return records

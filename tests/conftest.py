@@ -1,0 +1,27 @@
+"""Shared fixtures: tiny configs and batches."""
+
+import jax
+import numpy as np
+import pytest
+
+from megatrain_jax import data as data_lib
+from megatrain_jax.models import LlamaConfig
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                   d_ff=64, max_seq_len=32)
+
+
+def random_batch(cfg, batch_size=2, seq_len=16, seed=0, mask_fraction=0.0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, cfg.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+  mask = (rng.random((batch_size, seq_len)) >= mask_fraction).astype(np.float32)
+  mask[0, 0] = 1.0
+  return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask}
+
+
+@pytest.fixture(scope="session")
+def stdlib_windows():
+  docs = data_lib.read_documents("stdlib", max_bytes=400_000)
+  return data_lib.pack(docs, 64)
