@@ -67,8 +67,9 @@ class TrainConfig:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  warmup = min(tc.warmup_steps, tc.steps // 2)
   schedule = optax.warmup_cosine_decay_schedule(
-      0.0, tc.lr, min(tc.warmup_steps, tc.steps), tc.steps, end_value=0.1 * tc.lr)
+      0.0, tc.lr, warmup, max(tc.steps, warmup + 1), end_value=0.1 * tc.lr)
   return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
 
 

@@ -22,9 +22,9 @@ def test_chunked_loss_and_grads_equal_unchunked(tied, chunk):
   cfg = TINY.replace(tie_embeddings=tied)
   params = mt.Llama(cfg, rngs=nnx.Rngs(0)).param_tree()
   batch = {k: jnp.asarray(v) for k, v in random_batch(cfg, 2, 16, mask_fraction=0.3).items()}
-  ref, ref_g = jax.value_and_grad(_unchunked, argnums=1)(cfg, params, batch)
-  got, got_g = jax.value_and_grad(
-      lambda p: loss.model_loss(cfg, p, batch, chunk_tokens=chunk))(params)
+  ref, ref_g = jax.jit(jax.value_and_grad(lambda p: _unchunked(cfg, p, batch)))(params)
+  got, got_g = jax.jit(jax.value_and_grad(
+      lambda p: loss.model_loss(cfg, p, batch, chunk_tokens=chunk)))(params)
   np.testing.assert_allclose(got, ref, rtol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6), got_g, ref_g)
 
