@@ -1,0 +1,470 @@
+"""StreamingTrainer: host-resident state, one unit on the accelerator at a time.
+
+One step, for each micro-batch:
+  forward   embed, then every block through its jitted template, keeping the
+            block input every `checkpoint_every` layers; the prefetcher moves the
+            next units to the device while the current one computes;
+  head      final norm + LM head + chunked CE, value and gradient in one call;
+  backward  blocks in reverse groups of `checkpoint_every`: recompute the group's
+            inputs from its checkpoint, then `jax.vjp` layer by layer (each
+            layer's forward is recomputed inside its backward template); a
+            group's parameters are fetched once and kept until its backward ends;
+  gradients every unit's gradient goes to the gradient thread as soon as it
+            exists: device -> host, then the host optimizer (per unit as it
+            arrives, or once after the sweep when the transform needs the tree).
+So each unit crosses host -> device at most twice per step and its gradient
+crosses device -> host once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+
+from megatrain_jax.batch import check_batch
+from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.engine.host_optimizer import MODES, HostOptimizer
+from megatrain_jax.engine.transport import DeviceTransport, Transport
+from megatrain_jax.engine.workers import GradWorker, Ledger, Prefetcher
+from megatrain_jax.models import llama
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.loss import head_loss_sum
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the streaming engine runs.
+
+  prefetch_depth: units fetched ahead of the one computing (0: fetch on demand,
+    after the previous unit's compute is done, i.e. no overlap).
+  checkpoint_every: keep a block's input every this many layers; backward
+    recomputes a group of this many layers and keeps their parameters on the
+    device for the group's backward.
+  compute_dtype: jnp.float32 or jnp.bfloat16; masters and optimizer state stay fp32.
+  grad_accum: micro-batches per step (the batch size must divide by it).
+  stream_embed_head: fetch embedding and head when used (True) or keep their
+    compute copies on the device, refreshed after each update (False).
+  optimizer_mode: "auto" (probe the transform), "per_unit" or "whole_tree".
+  device_budget_bytes: refuse configs whose estimated device bytes exceed this.
+  loss_chunk_tokens: tokens per logits chunk (None: fit 256 MiB of fp32 logits).
+  transport: how bytes move (default: `DeviceTransport()`).
+  timeout_s: longest wait on an engine thread before raising.
+  """
+
+  prefetch_depth: int = 2
+  checkpoint_every: int = 1
+  compute_dtype: Any = jnp.float32
+  grad_accum: int = 1
+  stream_embed_head: bool = True
+  optimizer_mode: str = "auto"
+  device_budget_bytes: int | None = None
+  loss_chunk_tokens: int | None = None
+  transport: Transport | None = None
+  timeout_s: float = 600.0
+
+  def __post_init__(self):
+    if isinstance(self.compute_dtype, str):
+      if self.compute_dtype not in DTYPES:
+        raise ValueError(f"EngineConfig.compute_dtype={self.compute_dtype!r} is not one "
+                         f"of {sorted(DTYPES)}.")
+      object.__setattr__(self, "compute_dtype", DTYPES[self.compute_dtype])
+    if jnp.dtype(self.compute_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+      raise ValueError(f"EngineConfig.compute_dtype must be float32 or bfloat16, got "
+                       f"{self.compute_dtype}.")
+    for name, low in (("prefetch_depth", 0), ("checkpoint_every", 1), ("grad_accum", 1)):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"EngineConfig.{name} must be an integer >= {low}, got {v!r}.")
+    if self.optimizer_mode not in MODES:
+      raise ValueError(f"EngineConfig.optimizer_mode={self.optimizer_mode!r} is not one "
+                       f"of {MODES}.")
+    if self.device_budget_bytes is not None and self.device_budget_bytes <= 0:
+      raise ValueError("EngineConfig.device_budget_bytes must be positive or None.")
+
+
+class _Counter:
+  """Counts traces of a template (one trace = one compilation per signature)."""
+
+  def __init__(self):
+    self.counts: dict[str, int] = {}
+
+  def wrap(self, name, fn):
+    def traced(*args):
+      self.counts[name] = self.counts.get(name, 0) + 1
+      return fn(*args)
+    return traced
+
+
+class StreamingTrainer:
+  """Trains a Llama-family model whose parameters and optimizer state live on the host.
+
+  Build it from an NNX model (`StreamingTrainer(model, optimizer, config)`) or,
+  for a model bigger than the device, unit by unit on the host
+  (`StreamingTrainer.from_config(cfg, optimizer, config, key)`). Use `close()`
+  or a `with` block to stop its threads.
+  """
+
+  def __init__(self, model: llama.Llama, optimizer: optax.GradientTransformation,
+               config: EngineConfig | None = None):
+    def units():
+      yield model.embed.tree()
+      for block in model.blocks:
+        yield block.tree()
+      yield model.head.tree()
+    self._setup(model.cfg, optimizer, config or EngineConfig(), units())
+
+  @classmethod
+  def from_config(cls, cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+                  config: EngineConfig | None = None, key: jax.Array | None = None
+                  ) -> "StreamingTrainer":
+    """Initialises every unit on the host CPU backend, one at a time.
+
+    With the same key, the parameters equal `Llama(cfg, rngs=nnx.Rngs(params=key))`.
+    """
+    if key is None:
+      raise ValueError("from_config needs an explicit PRNG key, e.g. jax.random.key(0).")
+    host = jax.devices("cpu")[0]
+    init_block = jax.jit(lambda k: llama.init_block(cfg, k), device=host)
+
+    def units():
+      with jax.default_device(host):
+        yield jax.jit(lambda k: llama.init_embed(cfg, k))(llama.unit_key(key, "embed"))
+        for i in range(cfg.n_layers):
+          yield init_block(llama.unit_key(key, "block", i))
+        yield jax.jit(lambda k: llama.init_head(cfg, k))(llama.unit_key(key, "head"))
+
+    self = cls.__new__(cls)
+    self._setup(cfg, optimizer, config or EngineConfig(), units())
+    return self
+
+  # --------------------------------------------------------------------------
+  # Construction.
+  # --------------------------------------------------------------------------
+
+  def _setup(self, cfg: LlamaConfig, optimizer, ec: EngineConfig, unit_trees: Iterable):
+    self.cfg, self.config, self.optimizer = cfg, ec, optimizer
+    self._threads_open = False
+    self.transport = ec.transport or DeviceTransport()
+    self.cd = jnp.dtype(ec.compute_dtype)
+    L = cfg.n_layers
+    self.n_units = L + 2
+    self.EMBED, self.HEAD = 0, L + 1
+    self._invalid: BaseException | None = None
+
+    host = jax.sharding.SingleDeviceSharding(self.transport.host_device)
+    specs, masters = [], []
+    for u, tree in enumerate(unit_trees):
+      spec = FlatSpec(tree)
+      if specs and u not in (self.HEAD,) and spec == specs[-1]:
+        spec = specs[-1]  # blocks share one spec object, hence one template
+      specs.append(spec)
+      masters.append(jax.device_put(spec.flatten_np(tree), host))
+    if len(specs) != self.n_units:
+      raise ValueError(f"Expected {self.n_units} units (embed, {L} blocks, head), "
+                       f"got {len(specs)}.")
+    self.specs = specs
+    self.host_opt = HostOptimizer(
+        optimizer, specs, masters, assemble=self._assemble, split=self._split,
+        compute_dtype=self.cd, mode=ec.optimizer_mode,
+        host_device=self.transport.host_device)
+    logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s, compute %s.",
+                 self.n_units, sum(s.size for s in specs) / 1e6, self.host_opt.mode,
+                 self.cd.name)
+    self._stream = [self.transport.stage(m.astype(self.cd)) for m in self.host_opt.masters]
+    self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
+
+    self.ledger = Ledger()
+    self._tied = cfg.tie_embeddings
+    hold = max(ec.checkpoint_every, 2 if self._tied and ec.stream_embed_head else 1)
+    self._slots = hold + ec.prefetch_depth
+    self._resident: dict[int, jax.Array] = {}
+    self._counter = _Counter()
+    self._build_templates()
+    self._stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "device_peak_bytes": 0}
+    self._last: dict[str, float] = {}
+    self.prefetcher = Prefetcher(self._fetch, ec.prefetch_depth, self._slots, self.ledger,
+                                 ec.timeout_s)
+    self.grad_worker = GradWorker(self._handle_grad, ec.timeout_s)
+    self._threads_open = True
+    self._d2h_bytes = 0
+    self._d2h_s = 0.0
+    self._opt_s = 0.0
+    if not ec.stream_embed_head:
+      for u in (self.EMBED, self.HEAD):
+        self._refresh_resident(u)
+
+  def _assemble(self, units):
+    units = list(units)
+    return {"embed": units[0], "blocks": units[1:-1], "head": units[-1]}
+
+  def _split(self, tree):
+    return [tree["embed"], *tree["blocks"], tree["head"]]
+
+  def _build_templates(self):
+    cfg, cd, chunk = self.cfg, self.cd, self.config.loss_chunk_tokens
+    se, sb, sh = self.specs[self.EMBED], self.specs[1] if self.cfg.n_layers else None, \
+        self.specs[self.HEAD]
+    tied = self._tied
+    wrap = self._counter.wrap
+
+    def embed_fwd(flat, ids):
+      return llama.embed_apply(se.unflatten(flat), ids, cd)
+
+    def block_fwd(flat, x):
+      return llama.block_apply(cfg, sb.unflatten(flat), x)
+
+    def block_bwd(flat, x, g):
+      _, vjp = jax.vjp(lambda f, x: llama.block_apply(cfg, sb.unflatten(f), x), flat, x)
+      g_flat, g_x = vjp(g)
+      return g_x, g_flat
+
+    def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
+      def f(fh, fe, x):
+        return head_loss_sum(cfg, sh.unflatten(fh), se.unflatten(fe) if tied else None,
+                             x, labels, mask, chunk)
+      loss_sum, vjp = jax.vjp(f, flat_h, flat_e, x)
+      g_h, g_e, g_x = vjp(scale)
+      return loss_sum, g_x, g_h, g_e
+
+    def embed_bwd(ids, g_x, g_e_head):
+      v, d = cfg.vocab_size, cfg.d_model
+      table = jnp.zeros((v, d), jnp.float32).at[ids.reshape(-1)].add(
+          g_x.reshape(-1, d).astype(jnp.float32))
+      g = table.reshape(-1)
+      if tied:
+        g = g + g_e_head.astype(jnp.float32)
+      return g
+
+    self._embed_fwd = jax.jit(wrap("embed_fwd", embed_fwd))
+    self._block_fwd = jax.jit(wrap("block_fwd", block_fwd))
+    self._block_bwd = jax.jit(wrap("block_bwd", block_bwd))
+    self._head = jax.jit(wrap("head_fwd_bwd", head_fwd_bwd))
+    self._embed_bwd = jax.jit(wrap("embed_bwd", embed_bwd))
+
+  # --------------------------------------------------------------------------
+  # Transport and gradients (worker threads).
+  # --------------------------------------------------------------------------
+
+  def _fetch(self, u: int) -> jax.Array:
+    return self.transport.h2d(self._stream[u])
+
+  def _refresh_resident(self, u: int) -> None:
+    arr = self.transport.h2d(self._stream[u])
+    self._resident[u] = arr
+    self.ledger.add(("resident", u), arr.nbytes)
+    self._stats["h2d_bytes"] += arr.nbytes
+
+  def _handle_grad(self, job) -> None:
+    u, g_dev, last = job
+    t0 = time.perf_counter()
+    g = self.transport.d2h(g_dev)
+    t1 = time.perf_counter()
+    self._d2h_bytes += g.nbytes
+    self._d2h_s += t1 - t0
+    self.ledger.remove(("grad", u))
+    if self.host_opt.mode == "per_unit" and last:
+      new = self.host_opt.update_unit(u, g).block_until_ready()
+      self._set_stream(u, new)
+    else:
+      self.host_opt.accumulate(u, g)
+      self.host_opt.accum[u].block_until_ready()
+    self._opt_s += time.perf_counter() - t1
+
+  def _set_stream(self, u: int, new_flat: jax.Array) -> None:
+    self._stream[u] = self.transport.stage(new_flat)
+    if u in self._resident:
+      self._refresh_resident(u)
+
+  def _send_grad(self, u: int, g: jax.Array, last: bool) -> None:
+    self.ledger.add(("grad", u), g.nbytes)
+    self.grad_worker.submit((u, g, last))
+
+  def _get(self, u: int):
+    """(array, key) of unit u on the device: resident, or the prefetcher's next."""
+    if u in self._resident:
+      return self._resident[u], None
+    return self.prefetcher.get(u)
+
+  def _release(self, key, token) -> None:
+    if key is not None:
+      self.prefetcher.release(key, token)
+
+  # --------------------------------------------------------------------------
+  # The step.
+  # --------------------------------------------------------------------------
+
+  def _groups(self) -> list[tuple[int, int]]:
+    c, L = self.config.checkpoint_every, self.cfg.n_layers
+    return [(s, min(s + c, L)) for s in range(0, L, c)]
+
+  def _schedule(self) -> list[int]:
+    streamed = lambda u: u not in self._resident
+    order = [self.EMBED] if streamed(self.EMBED) else []
+    order += list(range(1, self.cfg.n_layers + 1))
+    if streamed(self.HEAD):
+      order.append(self.HEAD)
+    if self._tied and streamed(self.EMBED):
+      order.append(self.EMBED)
+    for s, e in reversed(self._groups()):
+      order += [1 + i for i in range(s, e)]
+    return order
+
+  def _micro_step(self, batch, scale, last: bool):
+    """Forward, head and backward of one micro-batch; returns its loss sum."""
+    L, ledger, tp = self.cfg.n_layers, self.ledger, self.transport
+    ids = tp.to_device(batch["input_ids"])
+    labels = tp.to_device(batch["labels"])
+    mask = tp.to_device(batch["loss_mask"])
+    self._stats["h2d_bytes"] += ids.nbytes + labels.nbytes + mask.nbytes
+    self.prefetcher.start(self._schedule())
+
+    p, key = self._get(self.EMBED)
+    x = self._embed_fwd(p, ids)
+    self._release(key, x)
+    act_bytes = x.nbytes
+    ckpts = {}
+    for i in range(L):
+      if i % self.config.checkpoint_every == 0:
+        ckpts[i] = x
+        ledger.add(("ckpt", i), act_bytes)
+      p, key = self._get(1 + i)
+      x = self._block_fwd(p, x)
+      ledger.add("x", act_bytes)
+      self._release(key, x)
+
+    p_h, key_h = self._get(self.HEAD)
+    p_e, key_e = self._get(self.EMBED) if self._tied else (None, None)
+    loss_sum, g, g_h, g_e = self._head(p_h, p_e, x, labels, mask, scale)
+    self._release(key_h, g)
+    self._release(key_e, g)
+    ledger.add("g", act_bytes)
+    self._send_grad(self.HEAD, g_h, last)
+
+    for s, e in reversed(self._groups()):
+      params = [self._get(1 + i) for i in range(s, e)]
+      xs = [ckpts.pop(s)]
+      for j, i in enumerate(range(s, e - 1)):
+        xs.append(self._block_fwd(params[j][0], xs[-1]))
+        ledger.add(("recompute", j), act_bytes)
+      for j in reversed(range(e - s)):
+        g, g_p = self._block_bwd(params[j][0], xs[j], g)
+        self._release(params[j][1], g)
+        self._send_grad(1 + s + j, g_p, last)
+        ledger.remove(("recompute", j))
+      ledger.remove(("ckpt", s))
+    g_e_embed = self._embed_bwd(ids, g, g_e)
+    ledger.remove("x")
+    ledger.remove("g")
+    self._send_grad(self.EMBED, g_e_embed, last)
+    return loss_sum
+
+  def step(self, batch: dict[str, Any]) -> dict[str, float]:
+    """One optimizer step on `batch`; returns {"loss", "tokens", "step_time_s", ...}."""
+    if self._invalid is not None:
+      raise RuntimeError(
+          "This StreamingTrainer is invalid after an earlier failure "
+          f"({type(self._invalid).__name__}: {self._invalid}); its host state may be "
+          "half-updated. Build a new trainer or resume from the last checkpoint.")
+    if not self._threads_open:
+      raise RuntimeError("This StreamingTrainer is closed.")
+    batch = check_batch(self.cfg, batch)
+    n = self.config.grad_accum
+    b = batch["input_ids"].shape[0]
+    if b % n:
+      raise ValueError(f"Batch size {b} is not divisible by grad_accum={n}.")
+    total = float(batch["loss_mask"].sum())
+    if total <= 0:
+      raise ValueError("The batch's loss_mask is all zero: no token to train on.")
+    scale = jnp.float32(1.0 / total)
+    h2d0, d2h0, fetch0 = self._stats["h2d_bytes"], self._d2h_bytes, self.prefetcher.bytes
+    busy0, d2h_s0, opt_s0 = self.prefetcher.busy_s, self._d2h_s, self._opt_s
+    self.ledger.reset_peak()
+    t0 = time.perf_counter()
+    try:
+      sums = []
+      for m in range(n):
+        micro = {k: v[m * b // n:(m + 1) * b // n] for k, v in batch.items()}
+        sums.append(self._micro_step(micro, scale, last=(m == n - 1)))
+      loss = float(sum(float(s) for s in sums)) / total
+      t_compute = time.perf_counter()
+      self.grad_worker.wait()
+      if self.host_opt.mode == "whole_tree":
+        for u, new in enumerate(self.host_opt.update_all()):
+          self._set_stream(u, new)
+      jax.block_until_ready(self._stream)
+      self.prefetcher.drain()
+    except BaseException as e:
+      self._invalid = e
+      self.close()
+      raise
+    t_end = time.perf_counter()
+    self._stats["steps"] += 1
+    self._stats["h2d_bytes"] += self.prefetcher.bytes - fetch0
+    self._stats["d2h_bytes"] = self._d2h_bytes
+    self._stats["device_peak_bytes"] = max(self._stats["device_peak_bytes"], self.ledger.peak)
+    self._last = {
+        "step_time_s": t_end - t0,
+        "wait_optimizer_s": t_end - t_compute,
+        "h2d_s": self.prefetcher.busy_s - busy0,
+        "d2h_s": self._d2h_s - d2h_s0,
+        "host_opt_s": self._opt_s - opt_s0,
+        "h2d_bytes": self._stats["h2d_bytes"] - h2d0,
+        "d2h_bytes": self._d2h_bytes - d2h0,
+        "device_peak_bytes": self.ledger.peak,
+    }
+    if not math.isfinite(loss):
+      raise FloatingPointError(f"Non-finite loss {loss} at step {self._stats['steps']}.")
+    return {"loss": loss, "tokens": total, "step_time_s": self._last["step_time_s"]}
+
+  # --------------------------------------------------------------------------
+  # State.
+  # --------------------------------------------------------------------------
+
+  def params(self) -> dict[str, Any]:
+    """The fp32 master parameters as a tree of numpy arrays (same as the model's)."""
+    if self._threads_open:
+      self.grad_worker.wait()
+    units = [s.unflatten(np.asarray(m)) for s, m in zip(self.specs, self.host_opt.masters)]
+    return self._assemble([jax.tree.map(np.array, t) for t in units])
+
+  def stats(self) -> dict[str, Any]:
+    """Counters since construction, plus the last step's bytes and phase times."""
+    out = dict(self._stats)
+    out["compiles"] = dict(self._counter.counts)
+    out["last_step"] = dict(self._last)
+    out["param_count"] = int(sum(s.size for s in self.specs))
+    out["layer_bytes"] = int(self.unit_bytes[1]) if self.cfg.n_layers else 0
+    out["stream_bytes"] = int(sum(self.unit_bytes))
+    out["prefetch_slots"] = self._slots
+    out["optimizer_mode"] = self.host_opt.mode
+    return out
+
+  def close(self) -> None:
+    """Stops the engine threads. Idempotent."""
+    if not getattr(self, "_threads_open", False):
+      return
+    self._threads_open = False
+    self.prefetcher.close()
+    self.grad_worker.close()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
+
+  def __del__(self):
+    try:
+      self.close()
+    except Exception:  # pylint: disable=broad-except
+      pass

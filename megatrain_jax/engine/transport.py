@@ -1,0 +1,116 @@
+"""Moving unit buffers between host memory and the accelerator.
+
+`DeviceTransport` is the real path: the streaming copy of every unit lives in
+the accelerator's `pinned_host` memory, `h2d` is one `jax.device_put` into
+`device` memory, and gradients come back to the host backend with `d2h`.
+`SimulatedLink` wraps it and adds the time a link of a given bandwidth would
+take (a sleep, which releases the GIL), so overlap is measurable on CPU.
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import numpy as np
+
+SingleDeviceSharding = jax.sharding.SingleDeviceSharding
+
+
+def _memory_kinds(device) -> set[str]:
+  try:
+    return {m.kind for m in device.addressable_memories()}
+  except (AttributeError, NotImplementedError):
+    return set()
+
+
+class Transport:
+  """The interface the engine uses. Every method may run on a worker thread."""
+
+  device: jax.Device
+  host_device: jax.Device
+
+  def stage(self, host_array: jax.Array) -> jax.Array:
+    """Host-backend array -> the streaming copy (pinned host memory)."""
+    raise NotImplementedError
+
+  def h2d(self, staged: jax.Array) -> jax.Array:
+    """Streaming copy -> accelerator `device` memory."""
+    raise NotImplementedError
+
+  def d2h(self, device_array: jax.Array) -> jax.Array:
+    """Accelerator array -> host-backend array, ready when this returns."""
+    raise NotImplementedError
+
+  def to_device(self, x) -> jax.Array:
+    """Small inputs (token ids, labels) -> device memory."""
+    raise NotImplementedError
+
+
+class DeviceTransport(Transport):
+  """Memory kinds on one accelerator; the host optimizer runs on the CPU backend."""
+
+  def __init__(self, device: jax.Device | None = None):
+    self.device = device or jax.devices()[0]
+    self.host_device = jax.devices("cpu")[0]
+    kinds = _memory_kinds(self.device)
+    self.on_device = SingleDeviceSharding(
+        self.device, memory_kind="device" if "device" in kinds else None)
+    self.pinned = (SingleDeviceSharding(self.device, memory_kind="pinned_host")
+                   if "pinned_host" in kinds else None)
+    self.on_host = SingleDeviceSharding(self.host_device)
+
+  def stage(self, host_array):
+    if self.pinned is None:
+      return host_array
+    return jax.device_put(host_array, self.pinned)
+
+  def h2d(self, staged):
+    return jax.device_put(staged, self.on_device)
+
+  def d2h(self, device_array):
+    if self.device == self.host_device:
+      # CPU backend: `device` memory is host RAM already; no copy to make.
+      return device_array.block_until_ready()
+    return jax.device_put(device_array, self.on_host).block_until_ready()
+
+  def to_device(self, x):
+    return jax.device_put(np.asarray(x), self.on_device)
+
+
+class SimulatedLink(Transport):
+  """A `DeviceTransport` whose h2d and d2h take at least bytes / `gb_per_s`.
+
+  Each direction is its own link (like PCIe's full duplex), serialized: two
+  concurrent transfers in one direction queue behind each other.
+  """
+
+  def __init__(self, gb_per_s: float, base: Transport | None = None):
+    if not gb_per_s > 0:
+      raise ValueError(f"SimulatedLink bandwidth must be positive, got {gb_per_s}.")
+    import threading
+    self.gb_per_s = float(gb_per_s)
+    self.base = base or DeviceTransport()
+    self.device, self.host_device = self.base.device, self.base.host_device
+    self._locks = {"h2d": threading.Lock(), "d2h": threading.Lock()}
+
+  def _move(self, direction: str, move, array):
+    with self._locks[direction]:
+      t0 = time.perf_counter()
+      out = move(array)
+      delay = array.nbytes / (self.gb_per_s * 1e9) - (time.perf_counter() - t0)
+      if delay > 0:
+        time.sleep(delay)
+    return out
+
+  def stage(self, host_array):
+    return self.base.stage(host_array)
+
+  def h2d(self, staged):
+    return self._move("h2d", self.base.h2d, staged)
+
+  def d2h(self, device_array):
+    return self._move("d2h", self.base.d2h, device_array)
+
+  def to_device(self, x):
+    return self.base.to_device(x)
