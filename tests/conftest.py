@@ -7,7 +7,16 @@ import pytest
 from megatrain_jax import data as data_lib
 from megatrain_jax.models import LlamaConfig
 
+import os
+import tempfile
+
 jax.config.update("jax_default_matmul_precision", "highest")
+# Many tests build trainers for the same tiny shapes; a persistent compilation cache
+# lets them share XLA executables across jit objects within one pytest run.
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(tempfile.gettempdir(), "megatrain_jax_test_cache"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    d_ff=64, max_seq_len=32)

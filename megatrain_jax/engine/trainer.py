@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from flax import nnx
 
 from megatrain_jax.batch import check_batch
 from megatrain_jax.engine.flat import FlatSpec
@@ -36,7 +37,7 @@ from megatrain_jax.engine.transport import DeviceTransport, Transport
 from megatrain_jax.engine.workers import GradWorker, Ledger, Prefetcher
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.models.loss import head_loss_sum
+from megatrain_jax.models.loss import default_chunk_tokens, head_loss_sum
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
@@ -134,6 +135,7 @@ class StreamingTrainer:
     if key is None:
       raise ValueError("from_config needs an explicit PRNG key, e.g. jax.random.key(0).")
     host = jax.devices("cpu")[0]
+    key = nnx.Rngs(params=key).params()  # the base key `Llama.__init__` draws
     init_block = jax.jit(lambda k: llama.init_block(cfg, k), device=host)
 
     def units():
@@ -182,6 +184,10 @@ class StreamingTrainer:
                  self.cd.name)
     self._stream = [self.transport.stage(m.astype(self.cd)) for m in self.host_opt.masters]
     self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
+    # Gradients leave in the compute dtype, but the embedding's (a scatter-add) in fp32.
+    self.grad_bytes = [s.size * (4 if u == self.EMBED else self.cd.itemsize)
+                       for u, s in enumerate(specs)]
+    self._check_static_budget(ec)
 
     self.ledger = Ledger()
     self._tied = cfg.tie_embeddings
@@ -196,12 +202,26 @@ class StreamingTrainer:
                                  ec.timeout_s)
     self.grad_worker = GradWorker(self._handle_grad, ec.timeout_s)
     self._threads_open = True
+    self._budget_ok: set = set()
     self._d2h_bytes = 0
     self._d2h_s = 0.0
     self._opt_s = 0.0
     if not ec.stream_embed_head:
       for u in (self.EMBED, self.HEAD):
         self._refresh_resident(u)
+
+  def _check_static_budget(self, ec: EngineConfig) -> None:
+    hold = max(ec.checkpoint_every, 2 if self.cfg.tie_embeddings and ec.stream_embed_head else 1)
+    need = (hold + ec.prefetch_depth) * max(self.unit_bytes)
+    if not ec.stream_embed_head:
+      need += self.unit_bytes[self.EMBED] + self.unit_bytes[self.HEAD]
+    if ec.device_budget_bytes is not None and need > ec.device_budget_bytes:
+      raise ValueError(
+          f"The parameters in flight alone need {need / 2**20:.2f} MiB "
+          f"({hold + ec.prefetch_depth} buffers of the largest unit, "
+          f"{max(self.unit_bytes) / 2**20:.2f} MiB), over the device budget of "
+          f"{ec.device_budget_bytes / 2**20:.2f} MiB. Lower prefetch_depth or "
+          "checkpoint_every, stream the embedding and head, or raise the budget.")
 
   def _assemble(self, units):
     units = list(units)
@@ -368,8 +388,46 @@ class StreamingTrainer:
     self._send_grad(self.EMBED, g_e_embed, last)
     return loss_sum
 
-  def step(self, batch: dict[str, Any]) -> dict[str, float]:
-    """One optimizer step on `batch`; returns {"loss", "tokens", "step_time_s", ...}."""
+  def estimate_device_bytes(self, batch_size: int, seq_len: int) -> dict[str, int]:
+    """Device bytes the engine will hold for micro-batches of this shape, by kind.
+
+    Counts what the engine keeps alive: parameter buffers in flight (prefetch
+    slots), resident units, gradients waiting for the link, activation
+    checkpoints, a group's recomputed inputs and the running activation and
+    gradient, and one chunk of fp32 logits with its gradient. XLA's scratch space
+    inside one template is not included.
+    """
+    cfg, ec = self.cfg, self.config
+    b = batch_size // ec.grad_accum
+    act = b * seq_len * cfg.d_model * self.cd.itemsize
+    streamed = [self.unit_bytes[u] for u in range(self.n_units) if u not in self._resident]
+    chunk = ec.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size, b * seq_len)
+    out = {
+        "params_in_flight": self._slots * max(streamed or [0]),
+        "resident_units": sum(self.unit_bytes[u] for u in self._resident),
+        "gradients_in_flight": self.grad_worker.max_pending * max(self.grad_bytes),
+        "activation_checkpoints": -(-cfg.n_layers // ec.checkpoint_every) * act,
+        "activations": (ec.checkpoint_every + 3) * act,
+        "logits_chunk": 2 * min(chunk, b * seq_len) * cfg.vocab_size * 4,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+  def _check_budget(self, batch_size: int, seq_len: int) -> None:
+    budget = self.config.device_budget_bytes
+    if budget is None or (batch_size, seq_len) in self._budget_ok:
+      return
+    est = self.estimate_device_bytes(batch_size, seq_len)
+    if est["total"] > budget:
+      parts = ", ".join(f"{k}={v / 2**20:.2f} MiB" for k, v in est.items() if k != "total")
+      raise ValueError(
+          f"A step on batch [{batch_size}, {seq_len}] needs about "
+          f"{est['total'] / 2**20:.2f} MiB of device memory ({parts}), over the device "
+          f"budget of {budget / 2**20:.2f} MiB. Lower prefetch_depth, checkpoint_every "
+          "or the batch (or raise grad_accum), or raise device_budget_bytes.")
+    self._budget_ok.add((batch_size, seq_len))
+
+  def _prepare(self, batch):
     if self._invalid is not None:
       raise RuntimeError(
           "This StreamingTrainer is invalid after an earlier failure "
@@ -379,23 +437,35 @@ class StreamingTrainer:
       raise RuntimeError("This StreamingTrainer is closed.")
     batch = check_batch(self.cfg, batch)
     n = self.config.grad_accum
-    b = batch["input_ids"].shape[0]
+    b, t = batch["input_ids"].shape
     if b % n:
       raise ValueError(f"Batch size {b} is not divisible by grad_accum={n}.")
     total = float(batch["loss_mask"].sum())
     if total <= 0:
       raise ValueError("The batch's loss_mask is all zero: no token to train on.")
+    self._check_budget(b, t)
+    return batch, total
+
+  def _sweep(self, batch, total: float, update: bool) -> float:
+    """Every micro-batch's forward and backward; gradients go to the worker."""
+    n = self.config.grad_accum
+    b = batch["input_ids"].shape[0]
     scale = jnp.float32(1.0 / total)
+    sums = []
+    for m in range(n):
+      micro = {k: v[m * b // n:(m + 1) * b // n] for k, v in batch.items()}
+      sums.append(self._micro_step(micro, scale, last=update and m == n - 1))
+    return float(sum(float(s) for s in sums)) / total
+
+  def step(self, batch: dict[str, Any]) -> dict[str, float]:
+    """One optimizer step on `batch`; returns {"loss", "tokens", "step_time_s"}."""
+    batch, total = self._prepare(batch)
     h2d0, d2h0, fetch0 = self._stats["h2d_bytes"], self._d2h_bytes, self.prefetcher.bytes
     busy0, d2h_s0, opt_s0 = self.prefetcher.busy_s, self._d2h_s, self._opt_s
     self.ledger.reset_peak()
     t0 = time.perf_counter()
     try:
-      sums = []
-      for m in range(n):
-        micro = {k: v[m * b // n:(m + 1) * b // n] for k, v in batch.items()}
-        sums.append(self._micro_step(micro, scale, last=(m == n - 1)))
-      loss = float(sum(float(s) for s in sums)) / total
+      loss = self._sweep(batch, total, update=True)
       t_compute = time.perf_counter()
       self.grad_worker.wait()
       if self.host_opt.mode == "whole_tree":
@@ -404,8 +474,7 @@ class StreamingTrainer:
       jax.block_until_ready(self._stream)
       self.prefetcher.drain()
     except BaseException as e:
-      self._invalid = e
-      self.close()
+      self._fail(e)
       raise
     t_end = time.perf_counter()
     self._stats["steps"] += 1
@@ -425,6 +494,25 @@ class StreamingTrainer:
     if not math.isfinite(loss):
       raise FloatingPointError(f"Non-finite loss {loss} at step {self._stats['steps']}.")
     return {"loss": loss, "tokens": total, "step_time_s": self._last["step_time_s"]}
+
+  def loss_and_grads(self, batch: dict[str, Any]):
+    """(loss, gradient tree of numpy fp32) at the current parameters; no update."""
+    batch, total = self._prepare(batch)
+    try:
+      loss = self._sweep(batch, total, update=False)
+      self.grad_worker.wait()
+      self.prefetcher.drain()
+    except BaseException as e:
+      self._fail(e)
+      raise
+    grads = [s.unflatten(np.asarray(a)) for s, a in zip(self.specs, self.host_opt.accum)]
+    self.host_opt.accum = [None] * self.n_units
+    return loss, self._assemble([jax.tree.map(np.array, g) for g in grads])
+
+  def _fail(self, e: BaseException) -> None:
+    """Marks the trainer invalid and stops its threads after a failed sweep."""
+    self._invalid = e
+    self.close()
 
   # --------------------------------------------------------------------------
   # State.

@@ -194,10 +194,14 @@ class Prefetcher:
 
 
 class GradWorker:
-  """Runs `handle(job)` for each submitted job on one background thread, in order."""
+  """Runs `handle(job)` for each submitted job on one background thread, in order.
 
-  def __init__(self, handle: Callable[[Any], None], timeout_s: float):
-    self._handle, self._timeout = handle, timeout_s
+  At most `max_pending` jobs wait at once: `submit` blocks beyond that, which
+  bounds the gradients held in device memory whatever the model's depth.
+  """
+
+  def __init__(self, handle: Callable[[Any], None], timeout_s: float, max_pending: int = 2):
+    self._handle, self._timeout, self.max_pending = handle, timeout_s, max_pending
     self._jobs: queue.Queue = queue.Queue()
     self._cond = threading.Condition()
     self._pending = 0
@@ -225,16 +229,19 @@ class GradWorker:
       raise self._error
 
   def submit(self, job) -> None:
-    self.check()
+    self._wait_below(self.max_pending)
     with self._cond:
       self._pending += 1
     self._jobs.put(job)
 
   def wait(self) -> None:
     """Blocks until every submitted job is done; raises the first error."""
+    self._wait_below(1)
+
+  def _wait_below(self, n: int) -> None:
     deadline = time.monotonic() + self._timeout
     with self._cond:
-      while self._pending and self._error is None:
+      while self._pending >= n and self._error is None:
         if time.monotonic() > deadline:
           raise TimeoutError(f"Gradient worker busy for over {self._timeout:.0f} s.")
         if not self._thread.is_alive():

@@ -83,6 +83,12 @@ def init_head(cfg: LlamaConfig, key: jax.Array) -> Params:
   return p
 
 
+# Jitted once per config: eager init would dispatch (and compile) op by op.
+_jit_init_embed = jax.jit(init_embed, static_argnums=0)
+_jit_init_block = jax.jit(init_block, static_argnums=0)
+_jit_init_head = jax.jit(init_head, static_argnums=0)
+
+
 def init_params(cfg: LlamaConfig, key: jax.Array) -> Params:
   """The whole tree (device-resident); engines init unit by unit instead."""
   return {
@@ -232,10 +238,10 @@ class Llama(nnx.Module):
     self.cfg = cfg
     self.compute_dtype = compute_dtype
     base = rngs.params()
-    self.embed = Unit(init_embed(cfg, unit_key(base, "embed")))
-    self.blocks = nnx.List([Unit(init_block(cfg, unit_key(base, "block", i)))
+    self.embed = Unit(_jit_init_embed(cfg, unit_key(base, "embed")))
+    self.blocks = nnx.List([Unit(_jit_init_block(cfg, unit_key(base, "block", i)))
                             for i in range(cfg.n_layers)])
-    self.head = Unit(init_head(cfg, unit_key(base, "head")))
+    self.head = Unit(_jit_init_head(cfg, unit_key(base, "head")))
 
   def param_tree(self) -> Params:
     return {"embed": self.embed.tree(),

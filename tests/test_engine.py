@@ -1,0 +1,261 @@
+"""StreamingTrainer against ResidentTrainer, and its resource bounds."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import megatrain_jax as mt
+from megatrain_jax import data as data_lib
+from megatrain_jax.engine import transport as transport_lib
+from conftest import TINY, random_batch
+
+BASE = TINY.replace(n_layers=4)
+ADAMW = lambda: optax.adamw(1e-3, weight_decay=0.1)
+CLIPPED = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-3))
+
+
+def _rel_err(a, b):
+  return jax.tree.map(lambda x, y: float(np.abs(x - y).max() / max(np.abs(x).max(), 1e-30)),
+                      a, b)
+
+
+def _pair(cfg, opt, ec):
+  ref = mt.ResidentTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), opt())
+  eng = mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), opt(), ec)
+  return ref, eng
+
+
+CASES = {
+    "default": (BASE, ADAMW, {}),
+    "prefetch0": (BASE, ADAMW, dict(prefetch_depth=0)),
+    "prefetch1": (BASE, ADAMW, dict(prefetch_depth=1)),
+    "ckpt2": (BASE, ADAMW, dict(checkpoint_every=2)),
+    "ckpt_all": (BASE, ADAMW, dict(checkpoint_every=BASE.n_layers)),
+    "accum2": (BASE, ADAMW, dict(grad_accum=2)),
+    "tied": (BASE.replace(tie_embeddings=True), ADAMW, {}),
+    "tied_resident_ends": (BASE.replace(tie_embeddings=True), ADAMW,
+                           dict(stream_embed_head=False)),
+    "qkv_bias": (BASE.replace(qkv_bias=True), ADAMW, {}),
+    "clip_chain": (BASE, CLIPPED, {}),
+    "clip_accum_ckpt2": (BASE.replace(tie_embeddings=True), CLIPPED,
+                         dict(grad_accum=2, checkpoint_every=2, prefetch_depth=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_matches_resident_fp32(name):
+  cfg, opt, kw = CASES[name]
+  ref, eng = _pair(cfg, opt, mt.EngineConfig(**kw))
+  with eng:
+    b0 = random_batch(cfg, 4, 16, seed=0, mask_fraction=0.25)
+    loss_r, g_r = ref.loss_and_grads(b0)
+    loss_e, g_e = eng.loss_and_grads(b0)
+    np.testing.assert_allclose(loss_e, loss_r, rtol=1e-5)
+    assert max(jax.tree.leaves(_rel_err(g_r, g_e))) < 1e-5
+    for s in range(3):
+      b = random_batch(cfg, 4, 16, seed=s, mask_fraction=0.25)
+      np.testing.assert_allclose(eng.step(b)["loss"], ref.step(b)["loss"], rtol=1e-5)
+    assert max(jax.tree.leaves(_rel_err(ref.params(), eng.params()))) < 1e-4
+    expected = "whole_tree" if opt is CLIPPED else "per_unit"
+    assert eng.stats()["optimizer_mode"] == expected
+
+
+def test_sgd_update_is_exact():
+  ref, eng = _pair(BASE, lambda: optax.sgd(0.5), mt.EngineConfig())
+  with eng:
+    b = random_batch(BASE, 2, 16)
+    _, g = eng.loss_and_grads(b)
+    before = eng.params()
+    eng.step(b)
+    after = eng.params()
+    jax.tree.map(lambda a, p, gg: np.testing.assert_allclose(a, p - 0.5 * gg, atol=1e-7),
+                 after, before, g)
+
+
+def test_from_config_equals_model_init():
+  key = jax.random.key(7)
+  model = mt.Llama(BASE, rngs=nnx.Rngs(params=key))
+  with mt.StreamingTrainer.from_config(BASE, optax.sgd(0.1), mt.EngineConfig(), key) as eng:
+    jax.tree.map(np.testing.assert_array_equal, eng.params(),
+                 jax.tree.map(np.asarray, model.param_tree()))
+
+
+def test_compiles_each_template_once_whatever_the_depth():
+  cfg = TINY.replace(n_layers=32, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32)
+  with mt.StreamingTrainer.from_config(cfg, optax.adamw(1e-3), mt.EngineConfig(),
+                                       jax.random.key(0)) as eng:
+    for s in range(2):
+      eng.step(random_batch(cfg, 2, 8, seed=s))
+    compiles = eng.stats()["compiles"]
+  assert compiles["block_fwd"] == 1 and compiles["block_bwd"] == 1, compiles
+  assert all(v == 1 for v in compiles.values()), compiles
+
+
+def test_bf16_tracks_fp32_on_stdlib(stdlib_windows):
+  cfg = TINY.replace(vocab_size=260, max_seq_len=64)
+  curves = {}
+  for name, dtype in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+    ds = data_lib.PackedDataset(stdlib_windows, 8, 0)
+    with mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(3e-3),
+                             mt.EngineConfig(compute_dtype=dtype)) as eng:
+      curves[name] = [eng.step(ds.next_batch())["loss"] for _ in range(100)]
+  f32, bf16 = np.array(curves["f32"]), np.array(curves["bf16"])
+  assert np.all(np.isfinite(bf16))
+  assert bf16[-10:].mean() < 0.7 * bf16[:5].mean()
+  assert abs(bf16[-10:].mean() - f32[-10:].mean()) / f32[-10:].mean() < 0.02
+
+
+def _peak(n_layers, **kw):
+  cfg = TINY.replace(n_layers=n_layers)
+  with mt.StreamingTrainer.from_config(cfg, optax.adamw(1e-3), mt.EngineConfig(**kw),
+                                       jax.random.key(0)) as eng:
+    eng.step(random_batch(cfg, 4, 16))
+    eng.step(random_batch(cfg, 4, 16, seed=1))
+    return eng.stats(), cfg
+
+
+def test_device_peak_flat_in_depth_and_bounded():
+  s4, cfg = _peak(4)
+  s16, _ = _peak(16)
+  assert s16["device_peak_bytes"] <= 2 * s4["device_peak_bytes"]
+  act = 4 * 16 * cfg.d_model * 4
+  unit = max(s16["layer_bytes"], cfg.vocab_size * cfg.d_model * 4)
+  grads_in_flight = 2 * unit
+  # in flight: param slots, gradients, 16 checkpoints, running x and g, a few temporaries
+  bound = s16["prefetch_slots"] * unit + grads_in_flight + (16 + 6) * act
+  assert s16["device_peak_bytes"] <= bound
+  assert s16["device_peak_bytes"] < s16["param_count"] * 4  # never the whole model
+
+
+def test_transfer_bytes_per_step():
+  cfg = BASE
+  with mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3),
+                           mt.EngineConfig(compute_dtype=jnp.bfloat16)) as eng:
+    b = random_batch(cfg, 4, 16)
+    eng.step(b)
+    eng.step(b)
+    last = eng.stats()["last_step"]
+  params_cd = cfg.param_count() * 2
+  batch_bytes = sum(v.nbytes for v in b.values())
+  assert params_cd < last["h2d_bytes"] <= 2 * params_cd + batch_bytes
+  # bf16 gradients for blocks and head, fp32 for the embedding's scatter-add.
+  assert last["d2h_bytes"] <= cfg.param_count() * 2 + cfg.vocab_size * cfg.d_model * 2 + 64
+
+
+def test_trains_under_a_budget_an_eighth_of_the_model():
+  cfg = TINY.replace(n_layers=32)
+  state_bytes = cfg.param_count() * 12  # fp32 params + Adam mu, nu
+  budget = state_bytes // 8
+  ec = mt.EngineConfig(prefetch_depth=1, device_budget_bytes=budget)
+  with mt.StreamingTrainer.from_config(cfg, optax.adamw(1e-3), ec, jax.random.key(0)) as eng:
+    for s in range(2):
+      eng.step(random_batch(cfg, 2, 16, seed=s))
+    assert 0 < eng.stats()["device_peak_bytes"] < budget
+
+
+def test_refuses_config_over_budget():
+  with pytest.raises(ValueError, match=r"parameters in flight.*device budget"):
+    mt.StreamingTrainer.from_config(BASE, optax.sgd(0.1),
+                                    mt.EngineConfig(device_budget_bytes=10_000),
+                                    jax.random.key(0))
+  ec = mt.EngineConfig(device_budget_bytes=300_000)
+  with mt.StreamingTrainer.from_config(BASE, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    with pytest.raises(ValueError, match=r"MiB of device memory.*budget"):
+      eng.step(random_batch(BASE, 32, 32))
+    eng.step(random_batch(BASE, 2, 8))  # a batch that fits still trains
+
+
+class _FailingLink(transport_lib.DeviceTransport):
+  def __init__(self, where, after):
+    super().__init__()
+    self.where, self.after, self.calls = where, after, 0
+
+  def _maybe_fail(self):
+    self.calls += 1
+    if self.calls > self.after:
+      raise OSError(f"injected {self.where} fault")
+
+  def h2d(self, staged):
+    if self.where == "h2d":
+      self._maybe_fail()
+    return super().h2d(staged)
+
+  def d2h(self, device_array):
+    if self.where == "d2h":
+      self._maybe_fail()
+    return super().d2h(device_array)
+
+
+def _engine_threads():
+  return [t for t in threading.enumerate() if t.name.startswith("megatrain-") and t.is_alive()]
+
+
+@pytest.mark.parametrize("where, depth", [("h2d", 2), ("h2d", 0), ("d2h", 2)])
+def test_transport_fault_raises_original_error(where, depth):
+  before = len(_engine_threads())
+  eng = mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                            mt.EngineConfig(prefetch_depth=depth,
+                                            transport=_FailingLink(where, after=8)))
+  t0 = time.monotonic()
+  with pytest.raises(OSError, match=f"injected {where} fault"):
+    for s in range(3):
+      eng.step(random_batch(BASE, 2, 8, seed=s))
+  assert time.monotonic() - t0 < 10
+  assert len(_engine_threads()) == before
+  with pytest.raises(RuntimeError, match="invalid after an earlier failure"):
+    eng.step(random_batch(BASE, 2, 8))
+
+
+def test_optimizer_fault_raises_original_error():
+  def explode(updates, state, params=None):
+    raise ArithmeticError("injected optimizer fault")
+  bad = optax.GradientTransformation(lambda p: optax.EmptyState(), explode)
+  eng = mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), bad,
+                            mt.EngineConfig(optimizer_mode="per_unit"))
+  t0 = time.monotonic()
+  with pytest.raises(ArithmeticError, match="injected optimizer fault"):
+    eng.step(random_batch(BASE, 2, 8))
+  assert time.monotonic() - t0 < 10
+  assert not _engine_threads()
+
+
+def test_close_stops_threads():
+  with mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), optax.sgd(0.1)) as eng:
+    eng.step(random_batch(BASE, 2, 8))
+    assert _engine_threads()
+  assert not _engine_threads()
+  with pytest.raises(RuntimeError, match="closed"):
+    eng.step(random_batch(BASE, 2, 8))
+
+
+def test_simulated_link_takes_its_time():
+  link = mt.SimulatedLink(gb_per_s=0.01)
+  x = jax.device_put(np.zeros(250_000, np.float32))  # 1 MB -> 0.1 s
+  t0 = time.perf_counter()
+  link.h2d(x)
+  assert time.perf_counter() - t0 >= 0.1
+
+
+@pytest.mark.parametrize("kw, field", [
+    (dict(prefetch_depth=-1), "prefetch_depth"),
+    (dict(checkpoint_every=0), "checkpoint_every"),
+    (dict(grad_accum=0), "grad_accum"),
+    (dict(compute_dtype=jnp.float16), "compute_dtype"),
+    (dict(optimizer_mode="fast"), "optimizer_mode"),
+])
+def test_bad_engine_config(kw, field):
+  with pytest.raises(ValueError, match=field):
+    mt.EngineConfig(**kw)
+
+
+def test_grad_accum_must_divide_batch():
+  with mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), optax.sgd(0.1),
+                           mt.EngineConfig(grad_accum=3)) as eng:
+    with pytest.raises(ValueError, match="grad_accum=3"):
+      eng.step(random_batch(BASE, 4, 8))
