@@ -24,6 +24,12 @@ flags.DEFINE_integer("max_data_bytes", _D.max_data_bytes, "Stop reading data aft
 flags.DEFINE_integer("seed", _D.seed, "Seed for init and data order.")
 flags.DEFINE_integer("log_every", _D.log_every, "Log every N steps.")
 flags.DEFINE_enum("compute_dtype", _D.compute_dtype, list(train_lib.DTYPES), "Compute dtype; masters stay fp32.")
+flags.DEFINE_integer("prefetch_depth", _D.prefetch_depth, "Streaming: units fetched ahead of compute.")
+flags.DEFINE_integer("checkpoint_every", _D.checkpoint_every, "Streaming: keep a block input every N layers.")
+flags.DEFINE_integer("grad_accum", _D.grad_accum, "Streaming: micro-batches per step.")
+flags.DEFINE_bool("stream_embed_head", _D.stream_embed_head, "Streaming: fetch embedding/head when used (else keep them on the device).")
+flags.DEFINE_enum("optimizer_mode", _D.optimizer_mode, ["auto", "per_unit", "whole_tree"], "Streaming: host optimizer mode.")
+flags.DEFINE_integer("device_budget_mb", None, "Streaming: refuse configs needing more device memory (MiB).")
 FLAGS = flags.FLAGS
 
 
@@ -34,7 +40,11 @@ def main(argv):
       workdir=FLAGS.workdir, model=FLAGS.model, engine=FLAGS.engine, steps=FLAGS.steps,
       batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, lr=FLAGS.lr,
       warmup_steps=FLAGS.warmup_steps, data=FLAGS.data, max_data_bytes=FLAGS.max_data_bytes,
-      seed=FLAGS.seed, log_every=FLAGS.log_every, compute_dtype=FLAGS.compute_dtype)
+      seed=FLAGS.seed, log_every=FLAGS.log_every, compute_dtype=FLAGS.compute_dtype,
+      prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
+      grad_accum=FLAGS.grad_accum, stream_embed_head=FLAGS.stream_embed_head,
+      optimizer_mode=FLAGS.optimizer_mode,
+      device_budget_bytes=(FLAGS.device_budget_mb * 2**20 if FLAGS.device_budget_mb else None))
   try:
     train_lib.run(tc)
   except (ValueError, FileNotFoundError) as e:

@@ -15,11 +15,12 @@ from flax import nnx
 
 from megatrain_jax import data as data_lib
 from megatrain_jax import metrics as metrics_lib
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.models.config import LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.resident import ResidentTrainer
 
-ENGINES = ("resident",)
+ENGINES = ("streaming", "resident")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -29,8 +30,8 @@ class TrainConfig:
 
   workdir: str = "runs/default"
   model: str | LlamaConfig = "tiny"
-  engine: str = "resident"
-  steps: int = 300
+  engine: str = "streaming"
+  steps: int = 200
   batch_size: int = 16
   seq_len: int = 128
   lr: float = 3e-3
@@ -41,7 +42,21 @@ class TrainConfig:
   seed: int = 0
   log_every: int = 10
   compute_dtype: str = "float32"
+  # Streaming engine (see megatrain_jax.EngineConfig).
+  prefetch_depth: int = 2
+  checkpoint_every: int = 1
+  grad_accum: int = 1
+  stream_embed_head: bool = True
+  optimizer_mode: str = "auto"
+  device_budget_bytes: int | None = None
   progress: bool = True
+
+  def engine_config(self) -> EngineConfig:
+    return EngineConfig(
+        prefetch_depth=self.prefetch_depth, checkpoint_every=self.checkpoint_every,
+        compute_dtype=DTYPES[self.compute_dtype], grad_accum=self.grad_accum,
+        stream_embed_head=self.stream_embed_head, optimizer_mode=self.optimizer_mode,
+        device_budget_bytes=self.device_budget_bytes)
 
   def model_config(self) -> LlamaConfig:
     return preset(self.model) if isinstance(self.model, str) else self.model
@@ -59,6 +74,11 @@ class TrainConfig:
     if self.compute_dtype not in DTYPES:
       raise ValueError(f"--compute_dtype={self.compute_dtype!r} is not one of "
                        f"{sorted(DTYPES)}.")
+    if self.engine == "streaming":
+      self.engine_config()  # validates the engine fields
+      if self.batch_size % self.grad_accum:
+        raise ValueError(f"--batch_size={self.batch_size} is not divisible by "
+                         f"--grad_accum={self.grad_accum}.")
     if not self.lr > 0:
       raise ValueError(f"--lr must be positive, got {self.lr}.")
     if cfg.vocab_size < data_lib.ByteTokenizer.vocab_size:
@@ -74,9 +94,12 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 
 def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
-  model = Llama(cfg, rngs=nnx.Rngs(params=jax.random.key(tc.seed)))
-  return ResidentTrainer(model, make_optimizer(tc),
-                         compute_dtype=DTYPES[tc.compute_dtype])
+  """The trainer `tc.engine` names; both start from the same parameters for a seed."""
+  key = jax.random.key(tc.seed)
+  if tc.engine == "streaming":
+    return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.engine_config(), key)
+  model = Llama(cfg, rngs=nnx.Rngs(params=key))
+  return ResidentTrainer(model, make_optimizer(tc), compute_dtype=DTYPES[tc.compute_dtype])
 
 
 def run(tc: TrainConfig) -> list[dict[str, Any]]:
@@ -90,6 +113,19 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
                tc.model if isinstance(tc.model, str) else "custom",
                cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len, tc.engine)
   trainer = make_trainer(tc, cfg)
+  try:
+    records = _loop(tc, cfg, dataset, trainer)
+  finally:
+    if hasattr(trainer, "close"):
+      trainer.close()
+  metrics_lib.plot_loss(records, os.path.join(tc.workdir, "loss.png"),
+                        title=f"{tc.model if isinstance(tc.model, str) else 'custom'} "
+                              f"({tc.engine})")
+  logging.info("Wrote %s and loss.png.", os.path.join(tc.workdir, "metrics.jsonl"))
+  return records
+
+
+def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer) -> list[dict[str, Any]]:
   flops_per_token = metrics_lib.model_flops_per_token(cfg, tc.seq_len)
   os.makedirs(tc.workdir, exist_ok=True)
   records: list[dict[str, Any]] = []
@@ -116,8 +152,4 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
                      record["tokens_per_s"])
   if bar is not None:
     bar.close()
-  metrics_lib.plot_loss(records, os.path.join(tc.workdir, "loss.png"),
-                        title=f"{tc.model if isinstance(tc.model, str) else 'custom'} "
-                              f"({tc.engine})")
-  logging.info("Wrote %s and loss.png.", writer.path)
   return records

@@ -16,9 +16,10 @@ def _run(*args):
                         timeout=300, cwd=REPO)
 
 
-def test_launcher_writes_metrics_and_plot(tmp_path):
-  r = _run(f"--workdir={tmp_path}", "--steps=6", "--log_every=2", "--batch_size=4",
-           "--seq_len=32", "--max_data_bytes=200000")
+@pytest.mark.parametrize("engine", ["streaming", "resident"])
+def test_launcher_writes_metrics_and_plot(tmp_path, engine):
+  r = _run(f"--workdir={tmp_path}", f"--engine={engine}", "--steps=6", "--log_every=2",
+           "--batch_size=4", "--seq_len=32", "--max_data_bytes=200000")
   assert r.returncode == 0, r.stderr[-3000:]
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["step"] for r in records] == [1, 2, 4, 6]
@@ -30,9 +31,6 @@ def test_launcher_writes_metrics_and_plot(tmp_path):
 @pytest.mark.parametrize("flag, message", [
     ("--seq_len=100000", "max_seq_len"),
     ("--data=/nonexistent/corpus.txt", "does not exist"),
-    ("--data=", "No data path"),
-    ("--model=huge", "Unknown model size"),
-    ("--batch_size=0", "batch_size"),
 ])
 def test_launcher_bad_input_is_a_clear_error(tmp_path, flag, message):
   r = _run(f"--workdir={tmp_path}", "--steps=2", flag)
@@ -41,6 +39,33 @@ def test_launcher_bad_input_is_a_clear_error(tmp_path, flag, message):
   assert "Traceback" not in r.stderr
 
 
+@pytest.mark.parametrize("changes, message", [
+    (dict(seq_len=100000), "max_seq_len"),
+    (dict(data="/nonexistent/corpus.txt"), "does not exist"),
+    (dict(data=""), "No data path"),
+    (dict(model="huge"), "Unknown model size"),
+    (dict(batch_size=0), "batch_size"),
+    (dict(grad_accum=3), "not divisible by --grad_accum=3"),
+    (dict(prefetch_depth=-1), "prefetch_depth"),
+    (dict(compute_dtype="float16"), "compute_dtype"),
+])
+def test_bad_train_config_is_a_clear_error(tmp_path, changes, message):
+  tc = train_lib.TrainConfig(workdir=str(tmp_path), steps=2, progress=False, **changes)
+  with pytest.raises((ValueError, FileNotFoundError), match=message):
+    train_lib.run(tc)
+
+
 def test_config_validation_in_library():
   with pytest.raises(ValueError, match="engine"):
     train_lib.TrainConfig(engine="gpu-magic").validate()
+
+
+def test_streaming_and_resident_runs_agree(tmp_path):
+  common = dict(steps=4, batch_size=4, seq_len=32, max_data_bytes=200_000, log_every=1,
+                progress=False)
+  a = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "s"), engine="streaming",
+                                          **common))
+  b = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "r"), engine="resident",
+                                          **common))
+  for x, y in zip(a, b):
+    assert abs(x["loss"] - y["loss"]) <= 1e-4 * y["loss"]
