@@ -18,6 +18,7 @@ from conftest import TINY, random_batch
 BASE = TINY.replace(n_layers=4)
 ADAMW = lambda: optax.adamw(1e-3, weight_decay=0.1)
 CLIPPED = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-3))
+FUSED = lambda: mt.optim.adamw(optax.linear_schedule(1e-3, 1e-4, 10), weight_decay=0.1)
 
 
 def _rel_err(a, b):
@@ -43,6 +44,9 @@ CASES = {
                            dict(stream_embed_head=False)),
     "qkv_bias": (BASE.replace(qkv_bias=True), ADAMW, {}),
     "clip_chain": (BASE, CLIPPED, {}),
+    "fused_adamw": (BASE, FUSED, {}),
+    "fused_adamw_accum_tied": (BASE.replace(tie_embeddings=True), FUSED,
+                               dict(grad_accum=2, prefetch_depth=1)),
     "clip_accum_ckpt2": (BASE.replace(tie_embeddings=True), CLIPPED,
                          dict(grad_accum=2, checkpoint_every=2, prefetch_depth=1)),
 }
@@ -64,6 +68,7 @@ def test_matches_resident_fp32(name):
     assert max(jax.tree.leaves(_rel_err(ref.params(), eng.params()))) < 1e-4
     expected = "whole_tree" if opt is CLIPPED else "per_unit"
     assert eng.stats()["optimizer_mode"] == expected
+    assert eng.stats()["fused_optimizer"] == (opt is FUSED)
 
 
 def test_sgd_update_is_exact():

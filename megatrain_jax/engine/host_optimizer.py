@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.optim import AdamW, fused_adamw_update
 
 MODES = ("auto", "per_unit", "whole_tree")
 
@@ -73,7 +74,8 @@ class HostOptimizer:
 
   def __init__(self, optimizer: optax.GradientTransformation, specs: Sequence[FlatSpec],
                masters: Sequence[jax.Array], assemble: Callable, split: Callable,
-               compute_dtype, mode: str, host_device: jax.Device):
+               compute_dtype, mode: str, host_device: jax.Device,
+               stream_sharding: jax.sharding.Sharding | None = None):
     if mode not in MODES:
       raise ValueError(f"optimizer_mode={mode!r} is not one of {MODES}.")
     self.optimizer = optimizer
@@ -82,6 +84,12 @@ class HostOptimizer:
     self.assemble, self.split = assemble, split
     self.compute_dtype = compute_dtype
     self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
+    # Where an update writes the new compute-dtype copy (None: beside the master).
+    self.stream_sharding = stream_sharding
+    # `mt.optim.adamw` runs as one fused expression over each unit's flat buffer.
+    self.fused = isinstance(optimizer, AdamW) and mode != "whole_tree"
+    if self.fused:
+      mode = "per_unit"
     if mode == "auto":
       trees = [s.unflatten(np.zeros(s.size, np.float32)) for s in self.specs]
       mode = "per_unit" if probe_separable(optimizer, trees, assemble) else "whole_tree"
@@ -89,7 +97,10 @@ class HostOptimizer:
     self.accum: list[jax.Array | None] = [None] * len(self.specs)
     self._jits: dict[Any, Callable] = {}
     on_host = self.host_sharding
-    if mode == "per_unit":
+    if self.fused:
+      init = self._jit("init_flat", optimizer.init, out_shardings=on_host)
+      self.states = [init(m) for m in self.masters]
+    elif mode == "per_unit":
       self.states = [
           self._jit(("init", s), lambda m, s=s: optimizer.init(s.unflatten(m)),
                     out_shardings=on_host)(m)
@@ -132,18 +143,25 @@ class HostOptimizer:
     micro-batch gradients) and returns its new compute-dtype flat copy."""
     spec, acc = self.specs[u], self.accum[u]
     self.accum[u] = None
-    opt, cd = self.optimizer, self.compute_dtype
+    opt, cd, fused = self.optimizer, self.compute_dtype, self.fused
 
     def update(master, state, grad, acc):
       g = grad.astype(jnp.float32)
       if acc is not None:
         g = acc + g
+      if fused:
+        new, state = fused_adamw_update(opt.hyper, master, g, state)
+        return new, state, new.astype(cd)
       p = spec.unflatten(master)
       upd, state = opt.update(spec.unflatten(g), state, p)
       new = spec.flatten(optax.apply_updates(p, upd))
       return new, state, new.astype(cd)
 
-    fn = self._jit(("update", spec, acc is None), update, donate_argnums=(0, 1, 3))
+    out = None
+    if self.stream_sharding is not None:
+      out = (self.host_sharding, self.host_sharding, self.stream_sharding)
+    fn = self._jit(("update", spec, acc is None), update, donate_argnums=(0, 1, 3),
+                   out_shardings=out)
     self.masters[u], self.states[u], stream = fn(self.masters[u], self.states[u], grad, acc)
     return stream
 

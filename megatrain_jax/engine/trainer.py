@@ -178,9 +178,11 @@ class StreamingTrainer:
     self.host_opt = HostOptimizer(
         optimizer, specs, masters, assemble=self._assemble, split=self._split,
         compute_dtype=self.cd, mode=ec.optimizer_mode,
-        host_device=self.transport.host_device)
-    logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s, compute %s.",
+        host_device=self.transport.host_device,
+        stream_sharding=self.transport.stream_sharding())
+    logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s%s, compute %s.",
                  self.n_units, sum(s.size for s in specs) / 1e6, self.host_opt.mode,
+                 " (fused AdamW)" if self.host_opt.fused else "",
                  self.cd.name)
     self._stream = [self.transport.stage(m.astype(self.cd)) for m in self.host_opt.masters]
     self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
@@ -535,6 +537,7 @@ class StreamingTrainer:
     out["stream_bytes"] = int(sum(self.unit_bytes))
     out["prefetch_slots"] = self._slots
     out["optimizer_mode"] = self.host_opt.mode
+    out["fused_optimizer"] = self.host_opt.fused
     return out
 
   def close(self) -> None:

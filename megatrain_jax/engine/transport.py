@@ -46,6 +46,10 @@ class Transport:
     """Small inputs (token ids, labels) -> device memory."""
     raise NotImplementedError
 
+  def stream_sharding(self) -> jax.sharding.Sharding | None:
+    """Where the host optimizer may write streaming copies directly, or None."""
+    return None
+
 
 class DeviceTransport(Transport):
   """Memory kinds on one accelerator; the host optimizer runs on the CPU backend."""
@@ -61,9 +65,14 @@ class DeviceTransport(Transport):
     self.on_host = SingleDeviceSharding(self.host_device)
 
   def stage(self, host_array):
-    if self.pinned is None:
+    if self.pinned is None or getattr(host_array.sharding, "memory_kind", None) == "pinned_host":
       return host_array
     return jax.device_put(host_array, self.pinned)
+
+  def stream_sharding(self):
+    # On the CPU backend the host optimizer can write the pinned copy itself; on an
+    # accelerator the pinned memory belongs to another backend, so `stage` copies.
+    return self.pinned if self.device == self.host_device else None
 
   def h2d(self, staged):
     return jax.device_put(staged, self.on_device)
@@ -105,6 +114,9 @@ class SimulatedLink(Transport):
 
   def stage(self, host_array):
     return self.base.stage(host_array)
+
+  def stream_sharding(self):
+    return self.base.stream_sharding()
 
   def h2d(self, staged):
     return self._move("h2d", self.base.h2d, staged)

@@ -1,0 +1,213 @@
+"""Side-by-side measurements behind `experiments/bench.py`.
+
+Every figure is a ratio of two things timed in the same process, alternating between
+them, and reported as the ratio of their medians after warm-up (the first, compiling
+call is never timed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from absl import logging
+from flax import nnx
+
+from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer
+from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.metrics import model_flops_per_token
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.llama import Llama
+from megatrain_jax.resident import ResidentTrainer
+
+# The model the step-time ratios use: it fits on any device, and its layers are big
+# enough on 2 CPU cores that per-layer overheads are visible but not dominant.
+BENCH_MODEL = LlamaConfig(vocab_size=260, d_model=512, n_layers=8, n_heads=8, n_kv_heads=4,
+                          d_ff=1536, max_seq_len=2048)
+ADAMW_BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
+TRIAD_BYTES_PER_ELEMENT = 12  # read b, c; write a (fp32)
+
+
+@dataclasses.dataclass
+class Suite:
+  """Sizes of one benchmark suite."""
+  model: LlamaConfig = BENCH_MODEL
+  batch_size: int = 4
+  seq_len: int = 512
+  warmup: int = 2
+  reps: int = 7
+  opt_params: int = 32 * 2**20
+  rss_model: str = "350m"
+
+
+def synthetic_batch(cfg: LlamaConfig, batch_size: int, seq_len: int, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, cfg.vocab_size, (batch_size, seq_len + 1), dtype=np.int32)
+  return {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
+          "loss_mask": np.ones((batch_size, seq_len), np.float32)}
+
+
+def median_times(fns: dict[str, Callable[[], Any]], warmup: int, reps: int
+                 ) -> dict[str, float]:
+  """Median wall time of each fn, calls interleaved so drift hits all alike."""
+  for _ in range(warmup):
+    for fn in fns.values():
+      jax.block_until_ready(fn())
+  times = {k: [] for k in fns}
+  for _ in range(reps):
+    for k, fn in fns.items():
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      times[k].append(time.perf_counter() - t0)
+  return {k: statistics.median(v) for k, v in times.items()}
+
+
+def step_ratios(s: Suite) -> dict[str, Any]:
+  """Streaming vs resident step time on a model that fits, fp32."""
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  opt = lambda: optax.adamw(1e-4)
+  model = lambda: Llama(cfg, rngs=nnx.Rngs(0))
+  remat = ResidentTrainer(model(), opt(), remat=True)
+  plain = ResidentTrainer(model(), opt())
+  with StreamingTrainer(model(), opt(), EngineConfig()) as eng:
+    t = median_times({"stream": lambda: eng.step(batch), "remat": lambda: remat.step(batch),
+                      "plain": lambda: plain.step(batch)}, s.warmup, s.reps)
+    st = eng.stats()
+  tokens = s.batch_size * s.seq_len
+  return {
+      "stream_over_resident_remat": t["stream"] / t["remat"],
+      "stream_over_resident": t["stream"] / t["plain"],
+      "step_time_s": t["stream"],
+      "resident_remat_step_time_s": t["remat"],
+      "resident_step_time_s": t["plain"],
+      "tokens_per_s": tokens / t["stream"],
+      "model_tflops_per_s": model_flops_per_token(cfg, s.seq_len) * tokens / t["stream"] / 1e12,
+      "device_peak_bytes": st["device_peak_bytes"],
+      "layer_bytes": st["layer_bytes"],
+      "param_bytes": st["param_count"] * 4,
+      "param_count": st["param_count"],
+      "h2d_bytes_per_step": st["last_step"]["h2d_bytes"],
+      "d2h_bytes_per_step": st["last_step"]["d2h_bytes"],
+  }
+
+
+def link_ratios(s: Suite) -> dict[str, Any]:
+  """Overlap under a simulated link whose per-layer transfer matches per-layer compute."""
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  model = lambda: Llama(cfg, rngs=nnx.Rngs(0))
+  with StreamingTrainer(model(), optax.adamw(1e-4), EngineConfig()) as eng:
+    compute = median_times({"c": lambda: eng.step(batch)}, s.warmup, s.reps)["c"]
+    h2d = eng.stats()["last_step"]["h2d_bytes"]
+  # One step moves every unit twice; the link moves a step's h2d bytes in `compute`.
+  gbps = h2d / compute / 1e9
+  transfer = h2d / (gbps * 1e9)
+  link = lambda: SimulatedLink(gbps)
+  with StreamingTrainer(model(), optax.adamw(1e-4), EngineConfig(transport=link())) as a, \
+       StreamingTrainer(model(), optax.adamw(1e-4),
+                        EngineConfig(transport=link(), prefetch_depth=0)) as b:
+    t = median_times({"prefetch": lambda: a.step(batch), "none": lambda: b.step(batch)},
+                     s.warmup, max(3, s.reps // 2))
+  return {
+      "overlap_efficiency": max(compute, transfer) / t["prefetch"],
+      "no_prefetch_over_prefetch": t["none"] / t["prefetch"],
+      "link_gb_per_s": gbps,
+      "link_compute_s": compute,
+      "link_transfer_s": transfer,
+      "link_step_time_s": t["prefetch"],
+      "link_no_prefetch_step_time_s": t["none"],
+  }
+
+
+def host_optimizer_bandwidth(s: Suite) -> dict[str, Any]:
+  """Host AdamW bytes/s against a donated triad's, both jitted on the CPU backend."""
+  n = s.opt_params
+  host = jax.devices("cpu")[0]
+  rng = np.random.default_rng(0)
+  spec = FlatSpec({"w": np.zeros((n,), np.float32)})
+  put = lambda x: jax.device_put(x, host)
+  opt = HostOptimizer(optax.adamw(1e-4), [spec], [put(rng.standard_normal(n, np.float32))],
+                      assemble=lambda u: u[0], split=lambda t: [t], compute_dtype=jnp.float32,
+                      mode="per_unit", host_device=host)
+  grad = put(rng.standard_normal(n, np.float32))
+  triad = jax.jit(lambda b, c: b + jnp.float32(0.5) * c, donate_argnums=(0,))
+  state = {"b": put(rng.standard_normal(n, np.float32)), "c": put(np.ones(n, np.float32))}
+
+  def run_triad():
+    state["b"] = triad(state["b"], state["c"])
+    return state["b"]
+
+  def run_opt():
+    opt.update_unit(0, grad)
+    return opt.masters[0]
+
+  t = median_times({"opt": run_opt, "triad": run_triad}, s.warmup, s.reps)
+  opt_bw = ADAMW_BYTES_PER_PARAM * n / t["opt"]
+  triad_bw = TRIAD_BYTES_PER_ELEMENT * n / t["triad"]
+  return {"host_opt_bw_ratio": opt_bw / triad_bw, "host_opt_gb_per_s": opt_bw / 1e9,
+          "triad_gb_per_s": triad_bw / 1e9, "host_opt_params": n}
+
+
+def _rss_bytes() -> int:
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_child(model_name: str, steps: int = 2) -> dict[str, Any]:
+  """Run in a fresh process: peak RSS of training `model_name`, per parameter."""
+  from megatrain_jax.models.config import preset
+  cfg = preset(model_name)
+  batch = synthetic_batch(cfg, 1, 64)
+  jax.block_until_ready(jnp.zeros(1) + 1)  # backend up before the baseline
+  base = _rss_bytes()
+  with StreamingTrainer.from_config(cfg, optax.adamw(1e-4),
+                                    EngineConfig(compute_dtype=jnp.bfloat16),
+                                    jax.random.key(0)) as eng:
+    for _ in range(steps):
+      eng.step(batch)
+    n = eng.stats()["param_count"]
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return {"host_bytes_per_param": (peak - base) / n, "rss_model": model_name,
+          "rss_param_count": n, "rss_peak_bytes": peak, "rss_baseline_bytes": base}
+
+
+def host_memory(s: Suite) -> dict[str, Any]:
+  code = ("import json, sys; from megatrain_jax import benchmark as b; "
+          f"print('RESULT ' + json.dumps(b.host_memory_child({s.rss_model!r})))")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+  if r.returncode != 0 or not lines:
+    raise RuntimeError(f"host-memory measurement failed:\n{r.stderr[-3000:]}")
+  import json
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def machine() -> dict[str, Any]:
+  d = jax.devices()[0]
+  return {"platform": d.platform, "device": str(d.device_kind), "cpus": os.cpu_count(),
+          "python": platform.python_version(), "jax": jax.__version__,
+          "machine": platform.machine()}
+
+
+def run_suite(s: Suite) -> dict[str, Any]:
+  out: dict[str, Any] = {"machine": machine(),
+                         "model": dataclasses.asdict(s.model),
+                         "batch_size": s.batch_size, "seq_len": s.seq_len,
+                         "reps": s.reps, "warmup": s.warmup}
+  for name, fn in (("steps", step_ratios), ("link", link_ratios),
+                   ("host optimizer", host_optimizer_bandwidth), ("host memory", host_memory)):
+    t0 = time.perf_counter()
+    out.update(fn(s))
+    logging.info("bench %s done in %.0f s", name, time.perf_counter() - t0)
+  return out
