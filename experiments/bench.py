@@ -1,0 +1,48 @@
+"""Benchmarks: every figure a side-by-side ratio, medians after warm-up.
+
+  python experiments/bench.py --suite=cpu --out=bench.json      # ~15 min on 2 CPU cores
+
+Writes one JSON object with stream_over_resident_remat, stream_over_resident,
+overlap_efficiency, no_prefetch_over_prefetch, host_opt_bw_ratio,
+host_bytes_per_param, and the sizes, times and machine behind them.
+`--suite=smoke` runs the same code on tiny sizes in about a minute (no goals).
+"""
+
+import json
+
+from absl import app, flags, logging
+
+from megatrain_jax import benchmark
+from megatrain_jax.models.config import LlamaConfig
+
+flags.DEFINE_enum("suite", "cpu", ["cpu", "smoke"], "Which sizes to run.")
+flags.DEFINE_string("out", "bench.json", "Where to write the JSON result.")
+flags.DEFINE_integer("reps", None, "Timed repetitions per figure (default: the suite's).")
+FLAGS = flags.FLAGS
+
+SUITES = {
+    "cpu": benchmark.Suite(),
+    "smoke": benchmark.Suite(
+        model=LlamaConfig(vocab_size=260, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
+                          d_ff=128, max_seq_len=128),
+        batch_size=2, seq_len=64, warmup=1, reps=3, opt_params=2**20, rss_model="small"),
+}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  suite = SUITES[FLAGS.suite]
+  if FLAGS.reps:
+    suite.reps = FLAGS.reps
+  result = benchmark.run_suite(suite)
+  result["suite"] = FLAGS.suite
+  with open(FLAGS.out, "w", encoding="utf-8") as f:
+    json.dump(result, f, indent=2, sort_keys=True)
+  for key in benchmark.GOALS:
+    logging.info("%-28s %.3f", key, result[key])
+  logging.info("Wrote %s.", FLAGS.out)
+
+
+if __name__ == "__main__":
+  app.run(main)

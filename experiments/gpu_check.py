@@ -1,0 +1,105 @@
+"""The accelerator check: link bandwidth by source kind, streaming vs resident, and the
+largest model host RAM holds.
+
+  bash experiments/gpu_check.sh            # on the GPU machine; writes $OUT/gpu_check.json
+  python experiments/gpu_check.py --quick --out=/tmp/g.json   # tiny sizes, any machine
+
+MFU is against the peak stated in --peak_tflops (H200 SXM dense bf16: 989 TFLOPS,
+NVIDIA H200 datasheet).
+"""
+
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags, logging
+
+from megatrain_jax import benchmark, metrics
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.optim import adamw
+
+flags.DEFINE_string("out", "gpu_check.json", "Output JSON.")
+flags.DEFINE_bool("quick", False, "Tiny sizes (for testing the script itself).")
+flags.DEFINE_float("peak_tflops", 989.0, "Peak dense bf16 TFLOPS of the device, for MFU.")
+FLAGS = flags.FLAGS
+
+# ~2.8B parameters: fp32 masters + Adam moments + bf16 copy = 14 B/param = ~40 GB of host RAM.
+BIG = LlamaConfig(vocab_size=32000, d_model=3072, n_layers=26, n_heads=24, n_kv_heads=8,
+                  d_ff=8192, max_seq_len=4096)
+# ~0.9B parameters: fits on the device for the resident comparison.
+FITS = LlamaConfig(vocab_size=32000, d_model=2048, n_layers=16, n_heads=16, n_kv_heads=8,
+                   d_ff=5632, max_seq_len=4096)
+TINY = LlamaConfig(vocab_size=260, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=128,
+                   max_seq_len=128)
+
+
+def link_bandwidth(nbytes: int, reps: int) -> dict:
+  """h2d GB/s of jax.device_put from each source kind into device memory."""
+  dev = jax.devices()[0]
+  S = jax.sharding.SingleDeviceSharding
+  to_dev = S(dev, memory_kind="device")
+  n = nbytes // 4
+  src = np.ones(n, np.float32)
+  sources = {"numpy_pageable": lambda: src,
+             "cpu_backend_array": lambda: jax.device_put(src, jax.devices("cpu")[0])}
+  try:
+    pinned = jax.device_put(src, S(dev, memory_kind="pinned_host"))
+    sources["pinned_host"] = lambda: pinned
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("no pinned_host memory: %s", e)
+  out = {}
+  for name, make in sources.items():
+    arr = make()
+    jax.block_until_ready(arr)
+    t = benchmark.median_times({"x": lambda: jax.device_put(arr, to_dev)}, 1, reps)["x"]
+    out[f"h2d_gb_per_s_{name}"] = nbytes / t / 1e9
+  if "h2d_gb_per_s_pinned_host" in out:
+    for name in sources:
+      out[f"h2d_over_pinned_{name}"] = (out[f"h2d_gb_per_s_{name}"]
+                                        / out["h2d_gb_per_s_pinned_host"])
+  return out
+
+
+def largest_model(cfg: LlamaConfig, batch_size: int, seq_len: int, steps: int,
+                  peak_tflops: float) -> dict:
+  batch = benchmark.synthetic_batch(cfg, batch_size, seq_len)
+  ec = EngineConfig(compute_dtype=jnp.bfloat16, prefetch_depth=2)
+  t0 = time.perf_counter()
+  with StreamingTrainer.from_config(cfg, adamw(1e-5), ec, jax.random.key(0)) as eng:
+    build_s = time.perf_counter() - t0
+    t = benchmark.median_times({"s": lambda: eng.step(batch)}, 1, steps)["s"]
+    st = eng.stats()
+  tokens = batch_size * seq_len
+  tflops = metrics.model_flops_per_token(cfg, seq_len) * tokens / t / 1e12
+  return {"big_params": st["param_count"], "big_tokens_per_step": tokens,
+          "big_step_time_s": t, "big_tokens_per_s": tokens / t, "big_model_tflops": tflops,
+          "big_mfu": tflops / peak_tflops, "big_build_s": build_s,
+          "big_device_peak_bytes": st["device_peak_bytes"], "big_last_step": st["last_step"]}
+
+
+def main(argv):
+  del argv
+  logging.set_verbosity(logging.INFO)
+  quick = FLAGS.quick
+  out = {"machine": benchmark.machine(), "peak_tflops": FLAGS.peak_tflops}
+  out.update(link_bandwidth(2**20 if quick else 2**30, 3 if quick else 5))
+  logging.info("link: %s", out)
+  fits = TINY if quick else FITS
+  suite = benchmark.Suite(model=fits, batch_size=2 if quick else 4,
+                          seq_len=64 if quick else 4096, warmup=1, reps=2 if quick else 3)
+  ratios = benchmark.step_ratios(suite)
+  out.update({f"fits_{k}": v for k, v in ratios.items()})
+  logging.info("streaming / resident: %.3f", ratios["stream_over_resident_remat"])
+  big = TINY if quick else BIG
+  out.update(largest_model(big, 2 if quick else 4, 64 if quick else 4096,
+                           2 if quick else 3, FLAGS.peak_tflops))
+  with open(FLAGS.out, "w", encoding="utf-8") as f:
+    json.dump(out, f, indent=2, sort_keys=True, default=str)
+  logging.info("Wrote %s", FLAGS.out)
+
+
+if __name__ == "__main__":
+  app.run(main)
