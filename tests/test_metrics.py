@@ -23,10 +23,11 @@ def test_param_count_of_llama2_7b_is_exact():
 
 def test_host_opt_ratio_formula(monkeypatch):
   monkeypatch.setattr(benchmark, "median_times",
-                      lambda fns, warmup, reps: {"opt": 2.0, "triad": 1.0})
+                      lambda fns, warmup, reps: {"opt": 2.0, "update": 4.0, "triad": 1.0})
   out = benchmark.host_optimizer_bandwidth(benchmark.Suite(opt_params=1024))
   # (28 B x n / 2 s) / (12 B x n / 1 s)
   assert out["host_opt_bw_ratio"] == pytest.approx(28 / 2 / 12)
+  assert out["host_update_with_stream_copy_bw_ratio"] == pytest.approx(28 / 4 / 12)
 
 
 def test_step_ratio_formula(monkeypatch):
@@ -39,3 +40,27 @@ def test_step_ratio_formula(monkeypatch):
   assert out["tokens_per_s"] == pytest.approx(16 / 3.0)
   assert out["model_tflops_per_s"] == pytest.approx(
       metrics.model_flops_per_token(TINY, 8) * 16 / 3.0 / 1e12)
+
+
+def test_link_ratio_formulas(monkeypatch):
+  times = iter([{"c": 2.0}, {"prefetch": 2.5, "none": 4.0}])
+  monkeypatch.setattr(benchmark, "median_times", lambda fns, warmup, reps: next(times))
+  monkeypatch.setattr(benchmark, "layer_backward_time", lambda *a: 0.1)
+
+  class FakeTrainer:
+    def __init__(self, *a, **k):
+      pass
+    def __enter__(self):
+      return self
+    def __exit__(self, *exc):
+      pass
+    def stats(self):
+      return {"last_step": {"h2d_bytes": 3000}, "layer_bytes": 100}
+
+  monkeypatch.setattr(benchmark, "StreamingTrainer", FakeTrainer)
+  out = benchmark.link_ratios(benchmark.Suite(model=TINY, batch_size=2, seq_len=8))
+  # Link: 100 B per layer in 0.1 s = 1e-6 GB/s; 3000 B per step take 3 s > 2 s compute.
+  assert out["link_gb_per_s"] == pytest.approx(1e-6)
+  assert out["link_transfer_s"] == pytest.approx(3.0)
+  assert out["overlap_efficiency"] == pytest.approx(3.0 / 2.5)
+  assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)

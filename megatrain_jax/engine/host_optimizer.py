@@ -138,9 +138,10 @@ class HostOptimizer:
       self.accum[u] = self._jit("add", lambda a, g: a + g.astype(jnp.float32),
                                 donate_argnums=(0,))(self.accum[u], grad)
 
-  def update_unit(self, u: int, grad: jax.Array) -> jax.Array:
+  def update_unit(self, u: int, grad: jax.Array, stream: bool = True) -> jax.Array | None:
     """Per-unit mode: applies the update for unit u (plus its accumulated
-    micro-batch gradients) and returns its new compute-dtype flat copy."""
+    micro-batch gradients) and returns its new compute-dtype flat copy (or None
+    with `stream=False`)."""
     spec, acc = self.specs[u], self.accum[u]
     self.accum[u] = None
     opt, fused = self.optimizer, self.fused
@@ -157,7 +158,7 @@ class HostOptimizer:
 
     fn = self._jit(("update", spec, acc is None), update, donate_argnums=(0, 1, 3))
     self.masters[u], self.states[u] = fn(self.masters[u], self.states[u], grad, acc)
-    return self.stream_copy(self.masters[u])
+    return self.stream_copy(self.masters[u]) if stream else None
 
   def stream_copy(self, master: jax.Array) -> jax.Array:
     """The compute-dtype copy of a master buffer. A separate call: on the CPU

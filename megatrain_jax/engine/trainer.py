@@ -31,6 +31,7 @@ from absl import logging
 from flax import nnx
 
 from megatrain_jax.batch import check_batch
+from megatrain_jax.engine import host_memory
 from megatrain_jax.engine.flat import FlatSpec
 from megatrain_jax.engine.host_optimizer import MODES, HostOptimizer
 from megatrain_jax.engine.transport import DeviceTransport, Transport
@@ -60,6 +61,8 @@ class EngineConfig:
   loss_chunk_tokens: tokens per logits chunk (None: fit 256 MiB of fp32 logits).
   transport: how bytes move (default: `DeviceTransport()`).
   timeout_s: longest wait on an engine thread before raising.
+  return_freed_memory: set glibc's mmap threshold so freed unit buffers go back
+    to the system (process-wide; see `engine/host_memory.py`).
   """
 
   prefetch_depth: int = 2
@@ -72,6 +75,7 @@ class EngineConfig:
   loss_chunk_tokens: int | None = None
   transport: Transport | None = None
   timeout_s: float = 600.0
+  return_freed_memory: bool = True
 
   def __post_init__(self):
     if isinstance(self.compute_dtype, str):
@@ -155,6 +159,8 @@ class StreamingTrainer:
 
   def _setup(self, cfg: LlamaConfig, optimizer, ec: EngineConfig, unit_trees: Iterable):
     self.cfg, self.config, self.optimizer = cfg, ec, optimizer
+    if ec.return_freed_memory:
+      host_memory.return_freed_memory()
     self._threads_open = False
     self.transport = ec.transport or DeviceTransport()
     self.cd = jnp.dtype(ec.compute_dtype)
@@ -202,7 +208,9 @@ class StreamingTrainer:
     self._last: dict[str, float] = {}
     self.prefetcher = Prefetcher(self._fetch, ec.prefetch_depth, self._slots, self.ledger,
                                  ec.timeout_s)
-    self.grad_worker = GradWorker(self._handle_grad, ec.timeout_s)
+    self.grad_worker = GradWorker(self._handle_grad, ec.timeout_s, name="grads")
+    # Host-side gradients wait here for the optimizer, two at most.
+    self.opt_worker = GradWorker(self._handle_update, ec.timeout_s, name="optimizer")
     self._threads_open = True
     self._budget_ok: set = set()
     self._d2h_bytes = 0
@@ -287,13 +295,19 @@ class StreamingTrainer:
     self._stats["h2d_bytes"] += arr.nbytes
 
   def _handle_grad(self, job) -> None:
+    """Gradient thread: device -> host, then hand over to the optimizer thread."""
     u, g_dev, last = job
     t0 = time.perf_counter()
     g = self.transport.d2h(g_dev)
-    t1 = time.perf_counter()
     self._d2h_bytes += g.nbytes
-    self._d2h_s += t1 - t0
+    self._d2h_s += time.perf_counter() - t0
     self.ledger.remove(("grad", u))
+    self.opt_worker.submit((u, g, last))
+
+  def _handle_update(self, job) -> None:
+    """Optimizer thread: accumulate, or update the unit and its streaming copy."""
+    u, g, last = job
+    t1 = time.perf_counter()
     if self.host_opt.mode == "per_unit" and last:
       new = self.host_opt.update_unit(u, g).block_until_ready()
       self._set_stream(u, new)
@@ -301,6 +315,10 @@ class StreamingTrainer:
       self.host_opt.accumulate(u, g)
       self.host_opt.accum[u].block_until_ready()
     self._opt_s += time.perf_counter() - t1
+
+  def _wait_workers(self) -> None:
+    self.grad_worker.wait()
+    self.opt_worker.wait()
 
   def _set_stream(self, u: int, new_flat: jax.Array) -> None:
     self._stream[u] = self.transport.stage(new_flat)
@@ -469,7 +487,7 @@ class StreamingTrainer:
     try:
       loss = self._sweep(batch, total, update=True)
       t_compute = time.perf_counter()
-      self.grad_worker.wait()
+      self._wait_workers()
       if self.host_opt.mode == "whole_tree":
         for u, new in enumerate(self.host_opt.update_all()):
           self._set_stream(u, new)
@@ -502,7 +520,7 @@ class StreamingTrainer:
     batch, total = self._prepare(batch)
     try:
       loss = self._sweep(batch, total, update=False)
-      self.grad_worker.wait()
+      self._wait_workers()
       self.prefetcher.drain()
     except BaseException as e:
       self._fail(e)
@@ -523,7 +541,7 @@ class StreamingTrainer:
   def params(self) -> dict[str, Any]:
     """The fp32 master parameters as a tree of numpy arrays (same as the model's)."""
     if self._threads_open:
-      self.grad_worker.wait()
+      self._wait_workers()
     units = [s.unflatten(np.asarray(m)) for s, m in zip(self.specs, self.host_opt.masters)]
     return self._assemble([jax.tree.map(np.array, t) for t in units])
 
@@ -547,6 +565,7 @@ class StreamingTrainer:
     self._threads_open = False
     self.prefetcher.close()
     self.grad_worker.close()
+    self.opt_worker.close()
 
   def __enter__(self):
     return self

@@ -196,17 +196,21 @@ class Prefetcher:
 class GradWorker:
   """Runs `handle(job)` for each submitted job on one background thread, in order.
 
+  The engine runs two: device -> host transfers of gradients, then the host
+  optimizer, so a unit's update overlaps the next unit's transfer.
+
   At most `max_pending` jobs wait at once: `submit` blocks beyond that, which
   bounds the gradients held in device memory whatever the model's depth.
   """
 
-  def __init__(self, handle: Callable[[Any], None], timeout_s: float, max_pending: int = 2):
+  def __init__(self, handle: Callable[[Any], None], timeout_s: float, max_pending: int = 2,
+               name: str = "grads"):
     self._handle, self._timeout, self.max_pending = handle, timeout_s, max_pending
     self._jobs: queue.Queue = queue.Queue()
     self._cond = threading.Condition()
     self._pending = 0
     self._error: BaseException | None = None
-    self._thread = threading.Thread(target=self._run, name="megatrain-grads", daemon=True)
+    self._thread = threading.Thread(target=self._run, name=f"megatrain-{name}", daemon=True)
     self._thread.start()
 
   def _run(self):

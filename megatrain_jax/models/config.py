@@ -91,7 +91,10 @@ PRESETS: dict[str, LlamaConfig] = {
                          n_kv_heads=4, d_ff=768, max_seq_len=1024),
     "medium": LlamaConfig(vocab_size=260, d_model=512, n_layers=8, n_heads=8,
                           n_kv_heads=4, d_ff=1536, max_seq_len=2048),
-    # About 350M parameters: the smallest size the host-memory figures use.
+    # 304M parameters with the byte vocabulary: the host-memory benchmark's model.
+    "300m": LlamaConfig(vocab_size=260, d_model=1024, n_layers=26, n_heads=16,
+                        n_kv_heads=8, d_ff=2816, max_seq_len=2048),
+    # About 350M parameters with a 32K vocabulary.
     "350m": LlamaConfig(vocab_size=32000, d_model=1024, n_layers=24, n_heads=16,
                         n_kv_heads=8, d_ff=2816, max_seq_len=2048),
     # Llama-2-7B's shape (6.74B parameters).
