@@ -64,3 +64,19 @@ def test_link_ratio_formulas(monkeypatch):
   assert out["link_transfer_s"] == pytest.approx(3.0)
   assert out["overlap_efficiency"] == pytest.approx(3.0 / 2.5)
   assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)
+
+
+def test_gpu_check_script_runs_in_quick_mode(tmp_path):
+  import json
+  import os
+  import subprocess
+  import sys
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  out = tmp_path / "g.json"
+  r = subprocess.run([sys.executable, os.path.join(repo, "experiments", "gpu_check.py"),
+                      "--quick", f"--out={out}"], capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-3000:]
+  d = json.loads(out.read_text())
+  for key in ("h2d_gb_per_s_numpy_pageable", "h2d_gb_per_s_pinned_host",
+              "fits_stream_over_resident_remat", "big_tokens_per_s", "big_mfu"):
+    assert d[key] > 0, key
