@@ -489,9 +489,10 @@ class StreamingTrainer:
       t_compute = time.perf_counter()
       self._wait_workers()
       if self.host_opt.mode == "whole_tree":
+        # Dispatched, not awaited: it runs on the host backend while the next step
+        # starts, and each unit's next fetch waits for its new copy.
         for u, new in enumerate(self.host_opt.update_all()):
           self._set_stream(u, new)
-      jax.block_until_ready(self._stream)
       self.prefetcher.drain()
     except BaseException as e:
       self._fail(e)
