@@ -76,3 +76,28 @@ def fused_adamw_update(h: AdamWHyper, params, grads, state):
   new_params = jnp.asarray(params + u).astype(jnp.asarray(params).dtype)
   new_state = (adam_state._replace(count=count_inc, mu=mu, nu=nu), decay_state, lr_state)
   return new_params, new_state
+
+
+class ClipThen(NamedTuple):
+  """`optax.chain(optax.clip_by_global_norm(max_norm), inner)`, naming its parts."""
+  init: Callable
+  update: Callable
+  max_norm: float
+  inner: Any
+
+
+def clip_by_global_norm(max_norm: float, inner) -> ClipThen:
+  """Global-norm clipping, then `inner`: the same transform as the optax chain.
+
+  The streaming engine splits it: the norm comes from per-unit sums of squares
+  after the sweep, then each unit is clipped and updated on its own, dispatched
+  without waiting, so the next step's forward can start as soon as the first
+  units are done. (Summing per unit changes the norm's rounding, not its value.)
+  """
+  tx = optax.chain(optax.clip_by_global_norm(max_norm), inner)
+  return ClipThen(tx.init, tx.update, float(max_norm), inner)
+
+
+def clip_with_norm(g, g_norm, max_norm: float):
+  """optax.clip_by_global_norm's per-leaf step, given the global norm."""
+  return jax.lax.select(g_norm < max_norm, g, (g / g_norm.astype(g.dtype)) * max_norm)

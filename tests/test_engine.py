@@ -19,6 +19,8 @@ BASE = TINY.replace(n_layers=4)
 ADAMW = lambda: optax.adamw(1e-3, weight_decay=0.1)
 CLIPPED = lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adamw(1e-3))
 FUSED = lambda: mt.optim.adamw(optax.linear_schedule(1e-3, 1e-4, 10), weight_decay=0.1)
+SPLIT_CLIP = lambda: mt.optim.clip_by_global_norm(0.05, mt.optim.adamw(1e-3))
+SPLIT_CLIP_SGD = lambda: mt.optim.clip_by_global_norm(0.05, optax.sgd(0.1, momentum=0.9))
 
 
 def _rel_err(a, b):
@@ -45,6 +47,9 @@ CASES = {
     "qkv_bias": (BASE.replace(qkv_bias=True), ADAMW, {}),
     "clip_chain": (BASE, CLIPPED, {}),
     "fused_adamw": (BASE, FUSED, {}),
+    "split_clip_fused": (BASE, SPLIT_CLIP, {}),
+    "split_clip_sgd_accum_tied": (BASE.replace(tie_embeddings=True), SPLIT_CLIP_SGD,
+                                  dict(grad_accum=2)),
     "fused_adamw_accum_tied": (BASE.replace(tie_embeddings=True), FUSED,
                                dict(grad_accum=2, prefetch_depth=1)),
     "clip_accum_ckpt2": (BASE.replace(tie_embeddings=True), CLIPPED,
@@ -66,9 +71,9 @@ def test_matches_resident_fp32(name):
       b = random_batch(cfg, 4, 16, seed=s, mask_fraction=0.25)
       np.testing.assert_allclose(eng.step(b)["loss"], ref.step(b)["loss"], rtol=1e-5)
     assert max(jax.tree.leaves(_rel_err(ref.params(), eng.params()))) < 1e-4
-    expected = "whole_tree" if opt is CLIPPED else "per_unit"
-    assert eng.stats()["optimizer_mode"] == expected
-    assert eng.stats()["fused_optimizer"] == (opt is FUSED)
+    expected = {CLIPPED: "whole_tree", SPLIT_CLIP: "clipped", SPLIT_CLIP_SGD: "clipped"}
+    assert eng.stats()["optimizer_mode"] == expected.get(opt, "per_unit")
+    assert eng.stats()["fused_optimizer"] == (opt in (FUSED, SPLIT_CLIP))
 
 
 def test_sgd_update_is_exact():

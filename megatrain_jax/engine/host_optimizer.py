@@ -21,7 +21,7 @@ import numpy as np
 import optax
 
 from megatrain_jax.engine.flat import FlatSpec
-from megatrain_jax.optim import AdamW, fused_adamw_update
+from megatrain_jax.optim import AdamW, ClipThen, clip_with_norm, fused_adamw_update
 
 MODES = ("auto", "per_unit", "whole_tree")
 
@@ -86,12 +86,21 @@ class HostOptimizer:
     self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
     # Where an update writes the new compute-dtype copy (None: beside the master).
     self.stream_sharding = stream_sharding
+    trees = [s.unflatten(np.zeros(s.size, np.float32)) for s in self.specs]
+    # `mt.optim.clip_by_global_norm(c, inner)` with an element-wise inner transform:
+    # clip each unit by the norm from per-unit sums of squares, then update it alone.
+    self.max_norm = None
+    if (isinstance(optimizer, ClipThen) and mode == "auto"
+        and (isinstance(optimizer.inner, AdamW)
+             or probe_separable(optimizer.inner, trees, assemble))):
+      self.max_norm, optimizer = optimizer.max_norm, optimizer.inner
+      self.optimizer = optimizer
+      mode = "clipped"
     # `mt.optim.adamw` runs as one fused expression over each unit's flat buffer.
     self.fused = isinstance(optimizer, AdamW) and mode != "whole_tree"
-    if self.fused:
+    if self.fused and mode != "clipped":
       mode = "per_unit"
     if mode == "auto":
-      trees = [s.unflatten(np.zeros(s.size, np.float32)) for s in self.specs]
       mode = "per_unit" if probe_separable(optimizer, trees, assemble) else "whole_tree"
     self.mode = mode
     self.accum: list[jax.Array | None] = [None] * len(self.specs)
@@ -100,7 +109,7 @@ class HostOptimizer:
     if self.fused:
       init = self._jit("init_flat", optimizer.init, out_shardings=on_host)
       self.states = [init(m) for m in self.masters]
-    elif mode == "per_unit":
+    elif mode in ("per_unit", "clipped"):
       self.states = [
           self._jit(("init", s), lambda m, s=s: optimizer.init(s.unflatten(m)),
                     out_shardings=on_host)(m)
@@ -120,8 +129,9 @@ class HostOptimizer:
     return self.assemble([s.unflatten(f) for s, f in zip(self.specs, flats)])
 
   @property
-  def needs_accumulator(self) -> bool:
-    return self.mode == "whole_tree"
+  def updates_after_sweep(self) -> bool:
+    """True when updates wait for every gradient (`update_all` after the sweep)."""
+    return self.mode in ("whole_tree", "clipped")
 
   def state_bytes(self) -> int:
     states = self.states if self.mode == "per_unit" else [self.state]
@@ -138,26 +148,31 @@ class HostOptimizer:
       self.accum[u] = self._jit("add", lambda a, g: a + g.astype(jnp.float32),
                                 donate_argnums=(0,))(self.accum[u], grad)
 
-  def update_unit(self, u: int, grad: jax.Array, stream: bool = True) -> jax.Array | None:
+  def update_unit(self, u: int, grad: jax.Array, stream: bool = True,
+                  clip_norm: jax.Array | None = None) -> jax.Array | None:
     """Per-unit mode: applies the update for unit u (plus its accumulated
     micro-batch gradients) and returns its new compute-dtype flat copy (or None
     with `stream=False`)."""
     spec, acc = self.specs[u], self.accum[u]
     self.accum[u] = None
-    opt, fused = self.optimizer, self.fused
+    opt, fused, max_norm = self.optimizer, self.fused, self.max_norm
 
-    def update(master, state, grad, acc):
+    def update(master, state, grad, acc, norm):
       g = grad.astype(jnp.float32)
       if acc is not None:
         g = acc + g
+      if norm is not None:
+        g = clip_with_norm(g, norm, max_norm)
       if fused:
         return fused_adamw_update(opt.hyper, master, g, state)
       p = spec.unflatten(master)
       upd, state = opt.update(spec.unflatten(g), state, p)
       return spec.flatten(optax.apply_updates(p, upd)), state
 
-    fn = self._jit(("update", spec, acc is None), update, donate_argnums=(0, 1, 3))
-    self.masters[u], self.states[u] = fn(self.masters[u], self.states[u], grad, acc)
+    fn = self._jit(("update", spec, acc is None, clip_norm is None), update,
+                   donate_argnums=(0, 1, 3))
+    self.masters[u], self.states[u] = fn(self.masters[u], self.states[u], grad, acc,
+                                         clip_norm)
     return self.stream_copy(self.masters[u]) if stream else None
 
   def stream_copy(self, master: jax.Array) -> jax.Array:
@@ -169,10 +184,20 @@ class HostOptimizer:
                      out_shardings=self.stream_sharding)(master)
 
   def update_all(self) -> list[jax.Array]:
-    """Whole-tree mode: one update from the accumulated gradients of every unit."""
+    """After the sweep: updates every unit from its accumulated gradient.
+
+    Whole-tree mode runs one update over the whole tree; clipped mode computes the
+    global norm, then dispatches each unit's clip-and-update in unit order. Either
+    way nothing here waits for the result.
+    """
     if any(a is None for a in self.accum):
       missing = [u for u, a in enumerate(self.accum) if a is None]
       raise RuntimeError(f"No gradient accumulated for units {missing}.")
+    if self.mode == "clipped":
+      sumsq = [self._jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(a) for a in self.accum]
+      norm = self._jit("norm", lambda s: jnp.sqrt(sum(s)))(sumsq)
+      grads, self.accum = self.accum, [None] * len(self.specs)
+      return [self.update_unit(u, g, clip_norm=norm) for u, g in enumerate(grads)]
     opt = self.optimizer
 
     def update(masters, state, grads):

@@ -488,7 +488,7 @@ class StreamingTrainer:
       loss = self._sweep(batch, total, update=True)
       t_compute = time.perf_counter()
       self._wait_workers()
-      if self.host_opt.mode == "whole_tree":
+      if self.host_opt.updates_after_sweep:
         # Dispatched, not awaited: it runs on the host backend while the next step
         # starts, and each unit's next fetch waits for its new copy.
         for u, new in enumerate(self.host_opt.update_all()):
