@@ -9,6 +9,7 @@ take (a sleep, which releases the GIL), so overlap is measurable on CPU.
 
 from __future__ import annotations
 
+import abc
 import time
 
 import jax
@@ -24,27 +25,27 @@ def _memory_kinds(device) -> set[str]:
     return set()
 
 
-class Transport:
+class Transport(abc.ABC):
   """The interface the engine uses. Every method may run on a worker thread."""
 
   device: jax.Device
   host_device: jax.Device
 
+  @abc.abstractmethod
   def stage(self, host_array: jax.Array) -> jax.Array:
     """Host-backend array -> the streaming copy (pinned host memory)."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def h2d(self, staged: jax.Array) -> jax.Array:
     """Streaming copy -> accelerator `device` memory."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def d2h(self, device_array: jax.Array) -> jax.Array:
     """Accelerator array -> host-backend array, ready when this returns."""
-    raise NotImplementedError
 
+  @abc.abstractmethod
   def to_device(self, x) -> jax.Array:
     """Small inputs (token ids, labels) -> device memory."""
-    raise NotImplementedError
 
   def stream_sharding(self) -> jax.sharding.Sharding | None:
     """Where the host optimizer may write streaming copies directly, or None."""
