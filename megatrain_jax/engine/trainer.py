@@ -202,6 +202,7 @@ class StreamingTrainer:
     hold = max(ec.checkpoint_every, 2 if self._tied and ec.stream_embed_head else 1)
     self._slots = hold + ec.prefetch_depth
     self._resident: dict[int, jax.Array] = {}
+    self._resident_h2d_bytes = 0
     self._counter = _Counter()
     self._build_templates()
     self._stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "device_peak_bytes": 0}
@@ -292,7 +293,7 @@ class StreamingTrainer:
     arr = self.transport.h2d(self._stream[u])
     self._resident[u] = arr
     self.ledger.add(("resident", u), arr.nbytes)
-    self._stats["h2d_bytes"] += arr.nbytes
+    self._resident_h2d_bytes += arr.nbytes  # optimizer thread; folded in at step end
 
   def _handle_grad(self, job) -> None:
     """Gradient thread: device -> host, then hand over to the optimizer thread."""
@@ -499,7 +500,8 @@ class StreamingTrainer:
       raise
     t_end = time.perf_counter()
     self._stats["steps"] += 1
-    self._stats["h2d_bytes"] += self.prefetcher.bytes - fetch0
+    self._stats["h2d_bytes"] += self.prefetcher.bytes - fetch0 + self._resident_h2d_bytes
+    self._resident_h2d_bytes = 0
     self._stats["d2h_bytes"] = self._d2h_bytes
     self._stats["device_peak_bytes"] = max(self._stats["device_peak_bytes"], self.ledger.peak)
     self._last = {

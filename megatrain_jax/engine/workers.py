@@ -164,6 +164,7 @@ class Prefetcher:
         continue
       if item is None:
         self.check()
+        raise WorkerError("The prefetch thread stopped.")
       got, pos, arr = item
       return arr, ("param", got, pos)
 
