@@ -190,17 +190,19 @@ class StreamingTrainer:
                  self.n_units, sum(s.size for s in specs) / 1e6, self.host_opt.mode,
                  " (fused AdamW)" if self.host_opt.fused else "",
                  self.cd.name)
-    self._stream = [self.transport.stage(m.astype(self.cd)) for m in self.host_opt.masters]
+    self._stream = [self.transport.stage(self.host_opt.stream_copy(m))
+                    for m in self.host_opt.masters]
     self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
     # Gradients leave in the compute dtype, but the embedding's (a scatter-add) in fp32.
     self.grad_bytes = [s.size * (4 if u == self.EMBED else self.cd.itemsize)
                        for u, s in enumerate(specs)]
+    self._tied = cfg.tie_embeddings
+    # Buffers held at once: a checkpoint group in the backward, or head + tied embedding.
+    hold = max(ec.checkpoint_every, 2 if self._tied and ec.stream_embed_head else 1)
+    self._slots = hold + ec.prefetch_depth
     self._check_static_budget(ec)
 
     self.ledger = Ledger()
-    self._tied = cfg.tie_embeddings
-    hold = max(ec.checkpoint_every, 2 if self._tied and ec.stream_embed_head else 1)
-    self._slots = hold + ec.prefetch_depth
     self._resident: dict[int, jax.Array] = {}
     self._resident_h2d_bytes = 0
     self._counter = _Counter()
@@ -222,14 +224,13 @@ class StreamingTrainer:
         self._refresh_resident(u)
 
   def _check_static_budget(self, ec: EngineConfig) -> None:
-    hold = max(ec.checkpoint_every, 2 if self.cfg.tie_embeddings and ec.stream_embed_head else 1)
-    need = (hold + ec.prefetch_depth) * max(self.unit_bytes)
+    need = self._slots * max(self.unit_bytes)
     if not ec.stream_embed_head:
       need += self.unit_bytes[self.EMBED] + self.unit_bytes[self.HEAD]
     if ec.device_budget_bytes is not None and need > ec.device_budget_bytes:
       raise ValueError(
           f"The parameters in flight alone need {need / 2**20:.2f} MiB "
-          f"({hold + ec.prefetch_depth} buffers of the largest unit, "
+          f"({self._slots} buffers of the largest unit, "
           f"{max(self.unit_bytes) / 2**20:.2f} MiB), over the device budget of "
           f"{ec.device_budget_bytes / 2**20:.2f} MiB. Lower prefetch_depth or "
           "checkpoint_every, stream the embedding and head, or raise the budget.")
