@@ -40,6 +40,9 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
   if t > cfg.max_seq_len:
     raise ValueError(f"Batch sequence length {t} exceeds the model's max_seq_len="
                      f"{cfg.max_seq_len}; shorten --seq_len or raise max_seq_len.")
+  if not np.all(np.isfinite(out["loss_mask"])):
+    raise ValueError("batch['loss_mask'] holds NaN or infinite values; it must be finite "
+                     "weights (1 to train on a token, 0 to skip it).")
   for key in ("input_ids", "labels"):
     arr = out[key]
     if not np.issubdtype(arr.dtype, np.integer):

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 
 from megatrain_jax.batch import check_batch
+from megatrain_jax.checkpoint import Snapshot
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.models.loss import model_loss
 
@@ -45,19 +46,28 @@ class ResidentTrainer:
 
   def _step_fn(self, params, opt_state, batch):
     loss, grads = jax.value_and_grad(self._loss)(params, batch)
-    updates, opt_state = self.optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads)}
+    updates, new_state = self.optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    grad_norm = optax.global_norm(grads)
+    # A non-finite loss or gradient leaves parameters and state as they were.
+    ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jnp.where(ok, new, old)
+    return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
+            {"loss": loss, "grad_norm": grad_norm})
 
   def step(self, batch: dict[str, Any]) -> dict[str, float]:
+    """One step; a non-finite loss or gradient raises FloatingPointError and
+    changes nothing."""
     batch = check_batch(self.cfg, batch)
     self._params, self._opt_state, metrics = self._jit_step(
         self._params, self._opt_state, batch)
-    self._step_count += 1
     out = {k: float(v) for k, v in metrics.items()}
-    if not math.isfinite(out["loss"]):
+    if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
+      what = "loss" if not math.isfinite(out["loss"]) else "gradient norm"
       raise FloatingPointError(
-          f"Non-finite loss {out['loss']} at step {self._step_count}.")
+          f"Non-finite {what} ({out['loss']}, gradient norm {out['grad_norm']}) at step "
+          f"{self._step_count + 1}. No parameter or optimizer state was changed.")
+    self._step_count += 1
     out["tokens"] = float(batch["loss_mask"].sum())
     return out
 
@@ -72,3 +82,29 @@ class ResidentTrainer:
   @property
   def step_count(self) -> int:
     return self._step_count
+
+  # Checkpoints (see megatrain_jax.checkpoint): two parts, "params" and "opt_state".
+
+  def _parts(self) -> dict[str, Any]:
+    return {"params": self._params, "opt_state": self._opt_state}
+
+  def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    return {k: {f"leaf_{i:04d}": (tuple(x.shape), str(x.dtype))
+                for i, x in enumerate(jax.tree.leaves(t))}
+            for k, t in self._parts().items()}
+
+  def snapshot(self) -> Snapshot:
+    """Host copies of the whole state, taken now (the next step donates it)."""
+    copies = {k: {f"leaf_{i:04d}": np.array(x) for i, x in enumerate(jax.tree.leaves(t))}
+              for k, t in self._parts().items()}
+    return Snapshot(list(copies), {k: (lambda v=v: v) for k, v in copies.items()})
+
+  def restore(self, read, step_count: int) -> None:
+    parts = {}
+    for k, t in self._parts().items():
+      leaves, treedef = jax.tree.flatten(t)
+      arrays = read(k)
+      parts[k] = treedef.unflatten(
+          [jnp.asarray(arrays[f"leaf_{i:04d}"]) for i in range(len(leaves))])
+    self._params, self._opt_state = parts["params"], parts["opt_state"]
+    self._step_count = int(step_count)

@@ -43,6 +43,10 @@ class FlatSpec:
       out[off:off + n] = np.asarray(leaf, dtype).reshape(-1)
     return out
 
+  def abstract(self, dtype=jnp.float32) -> Any:
+    """The unit's tree of `jax.ShapeDtypeStruct`s (for eval_shape; no memory)."""
+    return self.treedef.unflatten([jax.ShapeDtypeStruct(s, dtype) for s in self.shapes])
+
   def unflatten(self, flat: Any) -> Any:
     """Flat vector -> tree (traceable; numpy in gives numpy views)."""
     leaves = [flat[off:off + n].reshape(shape)

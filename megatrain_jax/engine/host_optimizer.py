@@ -30,7 +30,7 @@ def _miniature(tree, rng: np.random.Generator, scale: float):
   """Same structure and ranks, each dimension capped at 3."""
   return jax.tree.map(
       lambda x: jnp.asarray(scale * rng.standard_normal(
-          tuple(min(d, 3) for d in np.shape(x))), jnp.float32), tree)
+          tuple(min(d, 3) for d in x.shape)), jnp.float32), tree)
 
 
 def probe_separable(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
@@ -64,6 +64,31 @@ def probe_separable(optimizer: optax.GradientTransformation, unit_trees: Sequenc
       np.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b))
 
 
+def resolve_mode(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
+                 assemble: Callable, mode: str):
+  """How the host runs `optimizer`: (mode, transform to run, clip max_norm, fused).
+
+  mode is "per_unit" (element-wise: update each unit as its gradient arrives),
+  "clipped" (`mt.optim.clip_by_global_norm` over an element-wise transform: the
+  norm from per-unit sums after the sweep, then per-unit updates) or
+  "whole_tree" (one update over the whole tree after the sweep).
+  """
+  if mode not in MODES:
+    raise ValueError(f"optimizer_mode={mode!r} is not one of {MODES}.")
+  max_norm = None
+  if (isinstance(optimizer, ClipThen) and mode == "auto"
+      and (isinstance(optimizer.inner, AdamW)
+           or probe_separable(optimizer.inner, unit_trees, assemble))):
+    max_norm, optimizer, mode = optimizer.max_norm, optimizer.inner, "clipped"
+  # `mt.optim.adamw` runs as one fused expression over each unit's flat buffer.
+  fused = isinstance(optimizer, AdamW) and mode != "whole_tree"
+  if fused and mode != "clipped":
+    mode = "per_unit"
+  if mode == "auto":
+    mode = "per_unit" if probe_separable(optimizer, unit_trees, assemble) else "whole_tree"
+  return mode, optimizer, max_norm, fused
+
+
 class HostOptimizer:
   """Masters, optimizer state and gradient accumulators of every unit, on the host.
 
@@ -76,9 +101,6 @@ class HostOptimizer:
                masters: Sequence[jax.Array], assemble: Callable, split: Callable,
                compute_dtype, mode: str, host_device: jax.Device,
                stream_sharding: jax.sharding.Sharding | None = None):
-    if mode not in MODES:
-      raise ValueError(f"optimizer_mode={mode!r} is not one of {MODES}.")
-    self.optimizer = optimizer
     self.specs = list(specs)
     self.masters = list(masters)
     self.assemble, self.split = assemble, split
@@ -86,30 +108,20 @@ class HostOptimizer:
     self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
     # Where an update writes the new compute-dtype copy (None: beside the master).
     self.stream_sharding = stream_sharding
-    trees = [s.unflatten(np.zeros(s.size, np.float32)) for s in self.specs]
-    # `mt.optim.clip_by_global_norm(c, inner)` with an element-wise inner transform:
-    # clip each unit by the norm from per-unit sums of squares, then update it alone.
-    self.max_norm = None
-    if (isinstance(optimizer, ClipThen) and mode == "auto"
-        and (isinstance(optimizer.inner, AdamW)
-             or probe_separable(optimizer.inner, trees, assemble))):
-      self.max_norm, optimizer = optimizer.max_norm, optimizer.inner
-      self.optimizer = optimizer
-      mode = "clipped"
-    # `mt.optim.adamw` runs as one fused expression over each unit's flat buffer.
-    self.fused = isinstance(optimizer, AdamW) and mode != "whole_tree"
-    if self.fused and mode != "clipped":
-      mode = "per_unit"
-    if mode == "auto":
-      mode = "per_unit" if probe_separable(optimizer, trees, assemble) else "whole_tree"
-    self.mode = mode
+    trees = [s.abstract() for s in self.specs]
+    self.mode, self.optimizer, self.max_norm, self.fused = resolve_mode(
+        optimizer, trees, assemble, mode)
+    optimizer = self.optimizer
+    # Called with the units (and "optimizer" for the whole-tree state) whose
+    # buffers an update is about to donate; a pending checkpoint copies them first.
+    self.before_donate: Callable[[Sequence[Any]], None] | None = None
     self.accum: list[jax.Array | None] = [None] * len(self.specs)
     self._jits: dict[Any, Callable] = {}
     on_host = self.host_sharding
     if self.fused:
       init = self._jit("init_flat", optimizer.init, out_shardings=on_host)
       self.states = [init(m) for m in self.masters]
-    elif mode in ("per_unit", "clipped"):
+    elif self.mode in ("per_unit", "clipped"):
       self.states = [
           self._jit(("init", s), lambda m, s=s: optimizer.init(s.unflatten(m)),
                     out_shardings=on_host)(m)
@@ -130,12 +142,16 @@ class HostOptimizer:
 
   @property
   def updates_after_sweep(self) -> bool:
-    """True when updates wait for every gradient (`update_all` after the sweep)."""
+    """True when the transform needs every gradient before any update."""
     return self.mode in ("whole_tree", "clipped")
 
   def state_bytes(self) -> int:
-    states = self.states if self.mode == "per_unit" else [self.state]
+    states = self.states if self.mode != "whole_tree" else [self.state]
     return sum(x.nbytes for x in jax.tree.leaves(states) if hasattr(x, "nbytes"))
+
+  def _donating(self, names) -> None:
+    if self.before_donate is not None:
+      self.before_donate(names)
 
   # -- gradients -------------------------------------------------------------
 
@@ -148,11 +164,23 @@ class HostOptimizer:
       self.accum[u] = self._jit("add", lambda a, g: a + g.astype(jnp.float32),
                                 donate_argnums=(0,))(self.accum[u], grad)
 
+  def drop_gradients(self) -> None:
+    """Forgets every accumulated gradient (a skipped or failed step)."""
+    self.accum = [None] * len(self.specs)
+
+  def nonfinite_units(self) -> list[int]:
+    """Units whose accumulated gradient holds a NaN or an infinity."""
+    check = self._jit("finite", lambda a: jnp.all(jnp.isfinite(a)))
+    flags = [check(a) for a in self.accum]
+    return [u for u, ok in enumerate(flags) if not bool(ok)]
+
   def update_unit(self, u: int, grad: jax.Array, stream: bool = True,
-                  clip_norm: jax.Array | None = None) -> jax.Array | None:
-    """Per-unit mode: applies the update for unit u (plus its accumulated
-    micro-batch gradients) and returns its new compute-dtype flat copy (or None
-    with `stream=False`)."""
+                  clip_norm: jax.Array | None = None
+                  ) -> tuple[jax.Array | None, jax.Array]:
+    """Per-unit update of unit u from `grad` plus its accumulated micro-batch
+    gradients. Returns (its new compute-dtype flat copy, or None with
+    `stream=False`; a bool array: the gradient was finite). A non-finite gradient
+    leaves the unit's master and state as they were."""
     spec, acc = self.specs[u], self.accum[u]
     self.accum[u] = None
     opt, fused, max_norm = self.optimizer, self.fused, self.max_norm
@@ -161,19 +189,24 @@ class HostOptimizer:
       g = grad.astype(jnp.float32)
       if acc is not None:
         g = acc + g
+      ok = jnp.all(jnp.isfinite(g))
       if norm is not None:
         g = clip_with_norm(g, norm, max_norm)
       if fused:
-        return fused_adamw_update(opt.hyper, master, g, state)
-      p = spec.unflatten(master)
-      upd, state = opt.update(spec.unflatten(g), state, p)
-      return spec.flatten(optax.apply_updates(p, upd)), state
+        new_master, new_state = fused_adamw_update(opt.hyper, master, g, state)
+      else:
+        p = spec.unflatten(master)
+        upd, new_state = opt.update(spec.unflatten(g), state, p)
+        new_master = spec.flatten(optax.apply_updates(p, upd))
+      keep = lambda new, old: jnp.where(ok, new, old)
+      return (keep(new_master, master), jax.tree.map(keep, new_state, state), ok)
 
     fn = self._jit(("update", spec, acc is None, clip_norm is None), update,
-                   donate_argnums=(0, 1, 3))
-    self.masters[u], self.states[u] = fn(self.masters[u], self.states[u], grad, acc,
-                                         clip_norm)
-    return self.stream_copy(self.masters[u]) if stream else None
+                   donate_argnums=(0, 1))
+    self._donating([u])
+    self.masters[u], self.states[u], ok = fn(self.masters[u], self.states[u], grad, acc,
+                                             clip_norm)
+    return (self.stream_copy(self.masters[u]) if stream else None), ok
 
   def stream_copy(self, master: jax.Array) -> jax.Array:
     """The compute-dtype copy of a master buffer. A separate call: on the CPU
@@ -187,17 +220,20 @@ class HostOptimizer:
     """After the sweep: updates every unit from its accumulated gradient.
 
     Whole-tree mode runs one update over the whole tree; clipped mode computes the
-    global norm, then dispatches each unit's clip-and-update in unit order. Either
-    way nothing here waits for the result.
+    global norm, then dispatches each unit's clip-and-update in unit order;
+    per-unit mode (deferred to check every gradient first) dispatches each unit's
+    update. Nothing here waits for the result.
     """
     if any(a is None for a in self.accum):
       missing = [u for u, a in enumerate(self.accum) if a is None]
       raise RuntimeError(f"No gradient accumulated for units {missing}.")
-    if self.mode == "clipped":
-      sumsq = [self._jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(a) for a in self.accum]
-      norm = self._jit("norm", lambda s: jnp.sqrt(sum(s)))(sumsq)
-      grads, self.accum = self.accum, [None] * len(self.specs)
-      return [self.update_unit(u, g, clip_norm=norm) for u, g in enumerate(grads)]
+    grads, self.accum = self.accum, [None] * len(self.specs)
+    if self.mode in ("clipped", "per_unit"):
+      norm = None
+      if self.mode == "clipped":
+        sumsq = [self._jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(a) for a in grads]
+        norm = self._jit("norm", lambda s: jnp.sqrt(sum(s)))(sumsq)
+      return [self.update_unit(u, g, clip_norm=norm)[0] for u, g in enumerate(grads)]
     opt = self.optimizer
 
     def update(masters, state, grads):
@@ -205,7 +241,50 @@ class HostOptimizer:
       upd, state = opt.update(self._tree(grads), state, p)
       return [s.flatten(t) for s, t in zip(self.specs, self.split(optax.apply_updates(p, upd)))], state
 
-    fn = self._jit("update_all", update, donate_argnums=(0, 1, 2))
-    grads, self.accum = self.accum, [None] * len(self.specs)
+    fn = self._jit("update_all", update, donate_argnums=(0, 1))
+    self._donating([*range(len(self.specs)), "optimizer"])
     self.masters, self.state = fn(self.masters, self.state, grads)
     return [self.stream_copy(m) for m in self.masters]
+
+  # -- state for checkpoints -------------------------------------------------
+
+  def state_names(self) -> list[Any]:
+    """What a checkpoint holds: every unit, plus "optimizer" in whole-tree mode."""
+    names: list[Any] = list(range(len(self.specs)))
+    return names + ["optimizer"] if self.mode == "whole_tree" else names
+
+  def copy_state(self, name) -> dict[str, np.ndarray]:
+    """Host copies of one unit's master and optimizer state (or the whole-tree state)."""
+    if name == "optimizer":
+      leaves = jax.tree.leaves(self.state)
+      return {f"state_{i:03d}": np.array(x) for i, x in enumerate(leaves)}
+    out = {"master": np.array(self.masters[name])}
+    if self.mode != "whole_tree":
+      for i, x in enumerate(jax.tree.leaves(self.states[name])):
+        out[f"state_{i:03d}"] = np.array(x)
+    return out
+
+  def state_layout(self, name) -> dict[str, tuple[tuple[int, ...], str]]:
+    """(shape, dtype) of each array `copy_state(name)` returns, without copying."""
+    if name == "optimizer":
+      leaves = jax.tree.leaves(self.state)
+      return {f"state_{i:03d}": (tuple(x.shape), str(x.dtype)) for i, x in enumerate(leaves)}
+    out = {"master": ((self.specs[name].size,), "float32")}
+    if self.mode != "whole_tree":
+      for i, x in enumerate(jax.tree.leaves(self.states[name])):
+        out[f"state_{i:03d}"] = (tuple(x.shape), str(x.dtype))
+    return out
+
+  def load_state(self, name, arrays: dict[str, np.ndarray]) -> None:
+    """Sets one unit's master and state (or the whole-tree state) from host arrays
+    laid out as `state_layout(name)` says (the caller checked that)."""
+    put = lambda x: jax.device_put(np.asarray(x), self.host_sharding)
+    if name == "optimizer":
+      leaves, treedef = jax.tree.flatten(self.state)
+      self.state = treedef.unflatten([put(arrays[f"state_{i:03d}"]) for i in range(len(leaves))])
+      return
+    self.masters[name] = put(arrays["master"])
+    if self.mode != "whole_tree":
+      leaves, treedef = jax.tree.flatten(self.states[name])
+      self.states[name] = treedef.unflatten(
+          [put(arrays[f"state_{i:03d}"]) for i in range(len(leaves))])

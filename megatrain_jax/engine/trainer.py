@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -31,16 +31,26 @@ from absl import logging
 from flax import nnx
 
 from megatrain_jax.batch import check_batch
-from megatrain_jax.engine import host_memory
+from megatrain_jax.checkpoint import Snapshot
+from megatrain_jax.engine import host_memory, memory
 from megatrain_jax.engine.flat import FlatSpec
 from megatrain_jax.engine.host_optimizer import MODES, HostOptimizer
 from megatrain_jax.engine.transport import DeviceTransport, Transport
 from megatrain_jax.engine.workers import GradWorker, Ledger, Prefetcher
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.models.loss import default_chunk_tokens, head_loss_sum
+from megatrain_jax.models.loss import head_loss_sum
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+NONFINITE = ("raise", "skip")
+
+
+@dataclasses.dataclass
+class _StepGuard:
+  """What the optimizer thread found during one step's per-unit updates."""
+  loss_checked: bool = False
+  bad: tuple[str, list[int]] | None = None  # ("loss", []) or ("grads", [unit])
+  updated: list[int] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +73,10 @@ class EngineConfig:
   timeout_s: longest wait on an engine thread before raising.
   return_freed_memory: set glibc's mmap threshold so freed unit buffers go back
     to the system (process-wide; see `engine/host_memory.py`).
+  nonfinite: what a NaN or infinite loss or gradient does. "raise": the step
+    raises FloatingPointError (see `step`). "skip": the step is skipped and
+    counted in `stats()["skipped_steps"]`; every update then waits for the whole
+    sweep, so per-unit updates no longer overlap the backward.
   """
 
   prefetch_depth: int = 2
@@ -76,6 +90,7 @@ class EngineConfig:
   transport: Transport | None = None
   timeout_s: float = 600.0
   return_freed_memory: bool = True
+  nonfinite: str = "raise"
 
   def __post_init__(self):
     if isinstance(self.compute_dtype, str):
@@ -95,6 +110,9 @@ class EngineConfig:
                        f"of {MODES}.")
     if self.device_budget_bytes is not None and self.device_budget_bytes <= 0:
       raise ValueError("EngineConfig.device_budget_bytes must be positive or None.")
+    if self.nonfinite not in NONFINITE:
+      raise ValueError(f"EngineConfig.nonfinite={self.nonfinite!r} is not one of "
+                       f"{NONFINITE}.")
 
 
 class _Counter:
@@ -190,6 +208,11 @@ class StreamingTrainer:
                  self.n_units, sum(s.size for s in specs) / 1e6, self.host_opt.mode,
                  " (fused AdamW)" if self.host_opt.fused else "",
                  self.cd.name)
+    # Updates wait for the whole sweep when the transform needs every gradient, or
+    # when a non-finite step must be skippable.
+    self._defer = self.host_opt.updates_after_sweep or ec.nonfinite == "skip"
+    self._guard = _StepGuard()
+    self._loss_parts: list[jax.Array] = []
     self._stream = [self.transport.stage(self.host_opt.stream_copy(m))
                     for m in self.host_opt.masters]
     self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
@@ -197,9 +220,7 @@ class StreamingTrainer:
     self.grad_bytes = [s.size * (4 if u == self.EMBED else self.cd.itemsize)
                        for u, s in enumerate(specs)]
     self._tied = cfg.tie_embeddings
-    # Buffers held at once: a checkpoint group in the backward, or head + tied embedding.
-    hold = max(ec.checkpoint_every, 2 if self._tied and ec.stream_embed_head else 1)
-    self._slots = hold + ec.prefetch_depth
+    self._slots = memory.prefetch_slots(cfg, ec)
     self._check_static_budget(ec)
 
     self.ledger = Ledger()
@@ -207,7 +228,8 @@ class StreamingTrainer:
     self._resident_h2d_bytes = 0
     self._counter = _Counter()
     self._build_templates()
-    self._stats = {"steps": 0, "h2d_bytes": 0, "d2h_bytes": 0, "device_peak_bytes": 0}
+    self._stats = {"steps": 0, "skipped_steps": 0, "h2d_bytes": 0, "d2h_bytes": 0,
+                   "device_peak_bytes": 0}
     self._last: dict[str, float] = {}
     self.prefetcher = Prefetcher(self._fetch, ec.prefetch_depth, self._slots, self.ledger,
                                  ec.timeout_s)
@@ -307,16 +329,38 @@ class StreamingTrainer:
     self.opt_worker.submit((u, g, last))
 
   def _handle_update(self, job) -> None:
-    """Optimizer thread: accumulate, or update the unit and its streaming copy."""
+    """Optimizer thread: update the unit now, or accumulate its gradient."""
     u, g, last = job
     t1 = time.perf_counter()
-    if self.host_opt.mode == "per_unit" and last:
-      new = self.host_opt.update_unit(u, g).block_until_ready()
-      self._set_stream(u, new)
+    if last and not self._defer:
+      self._update_now(u, g)
     else:
       self.host_opt.accumulate(u, g)
       self.host_opt.accum[u].block_until_ready()
     self._opt_s += time.perf_counter() - t1
+
+  def _update_now(self, u: int, g) -> None:
+    """A per-unit update during the backward, after the step's loss is known finite.
+
+    The first update of a step waits for the loss (its head is computed before
+    any gradient exists, so this costs no device time). A non-finite loss, or a
+    non-finite gradient (the update keeps such a unit as it was), stops every
+    further update of the step; `step` then raises.
+    """
+    guard = self._guard
+    if guard.bad is None and not guard.loss_checked:
+      guard.loss_checked = True
+      if not math.isfinite(sum(float(x) for x in self._loss_parts)):
+        guard.bad = ("loss", [])
+    if guard.bad is not None:
+      self.host_opt.accum[u] = None
+      return
+    new, ok = self.host_opt.update_unit(u, g)
+    if not bool(ok):
+      guard.bad = ("grads", [u])
+      return
+    guard.updated.append(u)
+    self._set_stream(u, new.block_until_ready())
 
   def _wait_workers(self) -> None:
     self.grad_worker.wait()
@@ -390,6 +434,7 @@ class StreamingTrainer:
     self._release(key_h, g)
     self._release(key_e, g)
     ledger.add("g", act_bytes)
+    self._loss_parts.append(loss_sum)  # before any gradient: updates wait for it
     self._send_grad(self.HEAD, g_h, last)
 
     for s, e in reversed(self._groups()):
@@ -411,29 +456,9 @@ class StreamingTrainer:
     return loss_sum
 
   def estimate_device_bytes(self, batch_size: int, seq_len: int) -> dict[str, int]:
-    """Device bytes the engine will hold for micro-batches of this shape, by kind.
-
-    Counts what the engine keeps alive: parameter buffers in flight (prefetch
-    slots), resident units, gradients waiting for the link, activation
-    checkpoints, a group's recomputed inputs and the running activation and
-    gradient, and one chunk of fp32 logits with its gradient. XLA's scratch space
-    inside one template is not included.
-    """
-    cfg, ec = self.cfg, self.config
-    b = batch_size // ec.grad_accum
-    act = b * seq_len * cfg.d_model * self.cd.itemsize
-    streamed = [self.unit_bytes[u] for u in range(self.n_units) if u not in self._resident]
-    chunk = ec.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size, b * seq_len)
-    out = {
-        "params_in_flight": self._slots * max(streamed or [0]),
-        "resident_units": sum(self.unit_bytes[u] for u in self._resident),
-        "gradients_in_flight": self.grad_worker.max_pending * max(self.grad_bytes),
-        "activation_checkpoints": -(-cfg.n_layers // ec.checkpoint_every) * act,
-        "activations": (ec.checkpoint_every + 3) * act,
-        "logits_chunk": 2 * min(chunk, b * seq_len) * cfg.vocab_size * 4,
-    }
-    out["total"] = sum(out.values())
-    return out
+    """Device bytes the engine will hold for batches of this shape, by kind
+    (see `engine.memory.device_bytes`; XLA's scratch inside a template is not counted)."""
+    return memory.device_bytes(self.cfg, self.config, batch_size, seq_len)
 
   def _check_budget(self, batch_size: int, seq_len: int) -> None:
     budget = self.config.device_budget_bytes
@@ -479,18 +504,29 @@ class StreamingTrainer:
       sums.append(self._micro_step(micro, scale, last=update and m == n - 1))
     return float(sum(float(s) for s in sums)) / total
 
-  def step(self, batch: dict[str, Any]) -> dict[str, float]:
-    """One optimizer step on `batch`; returns {"loss", "tokens", "step_time_s"}."""
+  def step(self, batch: dict[str, Any]) -> dict[str, Any]:
+    """One optimizer step on `batch`; returns {"loss", "tokens", "step_time_s"}.
+
+    A NaN or infinite loss or gradient: with `nonfinite="skip"` the step changes
+    nothing and returns with "skipped": True. With "raise" (the default) it
+    raises FloatingPointError naming the step and, for gradients, the first unit
+    found non-finite. The host state is then as before the step, except in one
+    case the message states: per-unit updates run during the backward, so a
+    non-finite gradient found after some units were updated leaves the trainer
+    invalid (it refuses further steps; resume from the last checkpoint).
+    """
     batch, total = self._prepare(batch)
     h2d0, d2h0, fetch0 = self._stats["h2d_bytes"], self._d2h_bytes, self.prefetcher.bytes
     busy0, d2h_s0, opt_s0 = self.prefetcher.busy_s, self._d2h_s, self._opt_s
     self.ledger.reset_peak()
+    self._guard, self._loss_parts = _StepGuard(), []
     t0 = time.perf_counter()
     try:
       loss = self._sweep(batch, total, update=True)
       t_compute = time.perf_counter()
       self._wait_workers()
-      if self.host_opt.updates_after_sweep:
+      bad = self._find_nonfinite(loss)
+      if bad is None and self._defer:
         # Dispatched, not awaited: it runs on the host backend while the next step
         # starts, and each unit's next fetch waits for its new copy.
         for u, new in enumerate(self.host_opt.update_all()):
@@ -515,13 +551,64 @@ class StreamingTrainer:
         "d2h_bytes": self._d2h_bytes - d2h0,
         "device_peak_bytes": self.ledger.peak,
     }
+    out = {"loss": loss, "tokens": total, "step_time_s": self._last["step_time_s"]}
+    if bad is not None:
+      self._nonfinite_step(bad, loss)
+      out["skipped"] = True
+    return out
+
+  def unit_name(self, u: int) -> str:
+    """"embed", "layer i" (0-based) or "head"."""
+    return {self.EMBED: "embed", self.HEAD: "head"}.get(u, f"layer {u - 1}")
+
+  def _find_nonfinite(self, loss: float) -> tuple[str, list[int]] | None:
+    """("loss", []) or ("grads", units) when this step's loss or gradients are not finite."""
+    if self._guard.bad is not None:
+      return self._guard.bad
     if not math.isfinite(loss):
-      raise FloatingPointError(f"Non-finite loss {loss} at step {self._stats['steps']}.")
-    return {"loss": loss, "tokens": total, "step_time_s": self._last["step_time_s"]}
+      return ("loss", [])
+    if self._defer:
+      units = self.host_opt.nonfinite_units()
+      if units:
+        order = [self.HEAD, *range(self.cfg.n_layers, 0, -1), self.EMBED]
+        return ("grads", sorted(units, key=order.index))
+    return None
+
+  def _nonfinite_step(self, bad: tuple[str, list[int]], loss: float) -> None:
+    """Skips the step (counted) or raises, as `config.nonfinite` says."""
+    self.host_opt.drop_gradients()
+    step = self._stats["steps"]
+    kind, units = bad
+    if kind == "loss":
+      what = f"Non-finite loss {loss} at step {step}"
+    else:
+      names = [self.unit_name(u) for u in units]
+      what = (f"Non-finite gradient at step {step} (loss {loss:.6g}): first found in "
+              f"{names[0]}" + (f"; also in {', '.join(names[1:])}" if names[1:] else ""))
+    if self.config.nonfinite == "skip":
+      self._stats["skipped_steps"] += 1
+      logging.warning("%s; step skipped (%d skipped so far), no parameter changed.",
+                      what, self._stats["skipped_steps"])
+      return
+    updated = self._guard.updated
+    if updated:
+      err = FloatingPointError(
+          f"{what}. The per-unit updates of {', '.join(self.unit_name(u) for u in updated)} "
+          "had already run during the backward, so the host state is half-updated and "
+          "this trainer is now invalid: resume from the last checkpoint. (With "
+          "EngineConfig(nonfinite='skip') every gradient is checked before any update.)")
+      self._fail(err)
+      raise err
+    self._stats["steps"] -= 1  # nothing was applied
+    raise FloatingPointError(
+        f"{what}. No parameter or optimizer state was changed: the trainer is as it was "
+        "before this step. Lower the learning rate, check the data, or set "
+        "EngineConfig(nonfinite='skip') to skip such steps.")
 
   def loss_and_grads(self, batch: dict[str, Any]):
     """(loss, gradient tree of numpy fp32) at the current parameters; no update."""
     batch, total = self._prepare(batch)
+    self._guard, self._loss_parts = _StepGuard(), []
     try:
       loss = self._sweep(batch, total, update=False)
       self._wait_workers()
@@ -548,6 +635,58 @@ class StreamingTrainer:
       self._wait_workers()
     units = [s.unflatten(np.asarray(m)) for s, m in zip(self.specs, self.host_opt.masters)]
     return self._assemble([jax.tree.map(np.array, t) for t in units])
+
+  @property
+  def step_count(self) -> int:
+    """Steps taken (skipped ones included), restored from a checkpoint."""
+    return self._stats["steps"]
+
+  def _state_key(self, name) -> str:
+    if name == "optimizer":
+      return "optimizer"
+    return {self.EMBED: "embed", self.HEAD: "head"}.get(name, f"block_{name - 1:04d}")
+
+  def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """What `snapshot` holds: for each part, the (shape, dtype) of its arrays."""
+    self._wait_workers()
+    return {self._state_key(n): self.host_opt.state_layout(n)
+            for n in self.host_opt.state_names()}
+
+  def snapshot(self) -> Snapshot:
+    """The host state at this step boundary, copied unit by unit as it is read.
+
+    Training may go on while a checkpoint writer reads the snapshot: an update
+    about to change a unit the writer has not read yet copies it first, so the
+    snapshot stays the state of this step while costing about one unit of extra
+    host memory (all of it in whole-tree mode, whose single update changes every
+    unit at once). Units come in the order the next backward updates them.
+    """
+    if self._invalid is not None:
+      raise RuntimeError("Cannot snapshot an invalid trainer; its state may be "
+                         f"half-updated ({self._invalid}).")
+    self._wait_workers()
+    names = self.host_opt.state_names()
+    order = [self.HEAD, *range(self.cfg.n_layers, 0, -1), self.EMBED]
+    order += [n for n in names if n not in order]
+    keys = {n: self._state_key(n) for n in names}
+    snap = Snapshot([keys[n] for n in order],
+                    {keys[n]: (lambda n=n: self.host_opt.copy_state(n)) for n in names})
+    self.host_opt.before_donate = lambda ns: snap.before_change([keys[n] for n in ns])
+    return snap
+
+  def restore(self, read: Callable[[str], dict[str, np.ndarray]], step_count: int) -> None:
+    """Loads every part of `state_layout()` from `read(key)`, one unit at a time.
+
+    The caller checks the layout first. If `read` fails partway, the trainer holds
+    a mix of states: restore again (e.g. from an older checkpoint) before training.
+    """
+    self._wait_workers()
+    for n in self.host_opt.state_names():
+      self.host_opt.load_state(n, read(self._state_key(n)))
+    self.host_opt.drop_gradients()
+    for u, m in enumerate(self.host_opt.masters):
+      self._set_stream(u, self.host_opt.stream_copy(m))
+    self._stats["steps"] = int(step_count)
 
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times."""

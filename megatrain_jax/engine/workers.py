@@ -17,6 +17,8 @@ from typing import Any, Callable
 import jax
 
 _POLL_S = 0.05
+# Jobs a GradWorker holds at once by default (each holds one unit's gradient).
+MAX_PENDING = 2
 
 
 class Ledger:
@@ -204,7 +206,8 @@ class GradWorker:
   bounds the gradients held in device memory whatever the model's depth.
   """
 
-  def __init__(self, handle: Callable[[Any], None], timeout_s: float, max_pending: int = 2,
+  def __init__(self, handle: Callable[[Any], None], timeout_s: float,
+               max_pending: int = MAX_PENDING,
                name: str = "grads"):
     self._handle, self._timeout, self.max_pending = handle, timeout_s, max_pending
     self._jobs: queue.Queue = queue.Queue()

@@ -1,0 +1,280 @@
+"""Checkpoints of the host-resident training state, written with Orbax while training goes on.
+
+A checkpoint is a directory `<dir>/step_<N>/` holding one Orbax PyTree
+checkpoint per part of the state (each unit's fp32 master and optimizer state;
+the whole-tree optimizer state where there is one) and `meta.json` (step, data
+position, the run's settings, the layout and a CRC-32 of every array).
+
+- Layer by layer from host memory: the writer thread reads a `Snapshot` one
+  unit at a time and never stages anything on the accelerator.
+- Asynchronous: `save` returns at once; training goes on while the writer works
+  (a unit the next step is about to change is copied first, see
+  `StreamingTrainer.snapshot`).
+- Atomic: parts are written under `step_<N>.partial/`, which is renamed to
+  `step_<N>/` once `meta.json` is on disk. A directory without the final name
+  is not a checkpoint; it is removed, with a warning, the next time a manager
+  opens the directory.
+- The last `keep` complete checkpoints are kept.
+
+`restore_latest` tries the newest complete checkpoint first; one that cannot be
+read back exactly (a missing or damaged file, a checksum mismatch) is skipped,
+with a warning, in favour of the previous one. One written by a run with
+other settings is refused with the differing fields named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import zlib
+from typing import Any, Callable
+
+import numpy as np
+import orbax.checkpoint as ocp
+from absl import logging
+
+FORMAT_VERSION = 1
+# Seconds the writer sleeps before each part: a fault-injection hook, so tests can
+# kill a process while it is saving. Leave unset.
+WRITE_DELAY_ENV = "MEGATRAIN_CKPT_WRITE_DELAY_S"
+_STEP_RE = re.compile(r"^step_(\d{8})$")
+
+
+class CheckpointError(RuntimeError):
+  """A checkpoint could not be written or read back."""
+
+
+class Snapshot:
+  """One step's state, handed out part by part as host numpy arrays.
+
+  `copies` maps each part's key to a function that copies it to host memory.
+  `take(key)` returns the copy (made now, or earlier by `before_change`);
+  `before_change(keys)` is called by the trainer before it changes those parts,
+  so each part is copied at most once and only while it still holds this step.
+  """
+
+  def __init__(self, keys: list[str], copies: dict[str, Callable[[], dict[str, np.ndarray]]]):
+    self.keys = list(keys)
+    self._copies = dict(copies)
+    self._taken: dict[str, dict[str, np.ndarray]] = {}
+    self._lock = threading.Lock()
+
+  def before_change(self, keys) -> None:
+    with self._lock:
+      for k in keys:
+        if k in self._copies:
+          self._taken[k] = self._copies.pop(k)()
+
+  def take(self, key: str) -> dict[str, np.ndarray]:
+    with self._lock:
+      if key in self._copies:
+        return self._copies.pop(key)()
+      return self._taken.pop(key)
+
+
+def checksum(arr: np.ndarray) -> int:
+  """CRC-32 of an array's bytes."""
+  return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _fsync_dir(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _diff(section: str, saved: dict, current: dict) -> list[str]:
+  keys = sorted(set(saved) | set(current))
+  return [f"{section}.{k}: checkpoint {saved.get(k, '(absent)')!r}, this run "
+          f"{current.get(k, '(absent)')!r}" for k in keys if saved.get(k) != current.get(k)]
+
+
+def _normalise(x):
+  """What `x` reads back as from JSON (tuples become lists)."""
+  return json.loads(json.dumps(x))
+
+
+class CheckpointManager:
+  """Saves and restores a trainer's host state under `directory`.
+
+  The trainer provides `snapshot()`, `state_layout()`, `restore(read, step)` and
+  `step_count` (both `StreamingTrainer` and `ResidentTrainer` do).
+  """
+
+  def __init__(self, directory: str, keep: int = 2):
+    if keep < 1:
+      raise ValueError(f"keep must be at least 1, got {keep}.")
+    self.directory = directory
+    self.keep = keep
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    os.makedirs(directory, exist_ok=True)
+    for name in sorted(os.listdir(directory)):
+      if name.startswith("step_") and not _STEP_RE.match(name):
+        logging.warning("Removing %s: an incomplete checkpoint (a save was interrupted).",
+                        os.path.join(directory, name))
+        shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
+
+  def steps(self) -> list[int]:
+    """Steps of the complete checkpoints, oldest first."""
+    out = []
+    for name in os.listdir(self.directory):
+      m = _STEP_RE.match(name)
+      if m and os.path.isdir(os.path.join(self.directory, name)):
+        out.append(int(m.group(1)))
+    return sorted(out)
+
+  def path(self, step: int) -> str:
+    return os.path.join(self.directory, f"step_{step:08d}")
+
+  # -- saving ---------------------------------------------------------------
+
+  def save(self, trainer, meta: dict[str, Any]) -> None:
+    """Starts writing the trainer's state at its current step; returns at once.
+
+    `meta` (JSON-serialisable: settings, data position) is stored beside it and
+    compared on restore. A save waits for the previous one and raises its error.
+    """
+    self.wait()
+    step = trainer.step_count
+    layout = trainer.state_layout()
+    snap = trainer.snapshot()
+    meta = {"format": FORMAT_VERSION, "step": step, **_normalise(meta),
+            "layout": {k: {a: [list(s), d] for a, (s, d) in v.items()}
+                       for k, v in layout.items()}}
+    self._thread = threading.Thread(target=self._write_guarded, args=(step, snap, meta),
+                                    name="megatrain-checkpoint", daemon=True)
+    self._thread.start()
+
+  def _write_guarded(self, step, snap, meta) -> None:
+    try:
+      self._write(step, snap, meta)
+    except BaseException as e:  # pylint: disable=broad-except
+      self._error = e
+
+  def _write(self, step: int, snap: Snapshot, meta: dict) -> None:
+    t0 = time.perf_counter()
+    final, tmp = self.path(step), self.path(step) + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
+    checkpointer = ocp.PyTreeCheckpointer()
+    sums, nbytes = {}, 0
+    for key in snap.keys:
+      if delay:
+        time.sleep(delay)
+      arrays = snap.take(key)
+      sums[key] = {a: checksum(x) for a, x in arrays.items()}
+      nbytes += sum(x.nbytes for x in arrays.values())
+      checkpointer.save(os.path.join(tmp, key), arrays)
+      del arrays
+    meta["checksums"] = sums
+    with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
+      json.dump(meta, f, indent=1, sort_keys=True)
+      f.flush()
+      os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if os.path.exists(final):
+      shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(self.directory)
+    logging.info("Saved checkpoint %s (%.1f MB in %.1f s).", final, nbytes / 1e6,
+                 time.perf_counter() - t0)
+    for old in self.steps()[:-self.keep]:
+      shutil.rmtree(self.path(old), ignore_errors=True)
+
+  def wait(self) -> None:
+    """Waits for the save in progress; raises CheckpointError if it failed."""
+    if self._thread is not None:
+      self._thread.join()
+      self._thread = None
+    if self._error is not None:
+      err, self._error = self._error, None
+      raise CheckpointError(f"Writing a checkpoint in {self.directory} failed: "
+                            f"{type(err).__name__}: {err}") from err
+
+  def close(self) -> None:
+    self.wait()
+
+  # -- restoring ------------------------------------------------------------
+
+  def restore_latest(self, trainer, expect: dict[str, dict[str, Any]]) -> dict | None:
+    """Restores the newest readable checkpoint into `trainer`; returns its meta.
+
+    `expect` holds sections of settings (e.g. {"model": ..., "run": ...}) that
+    must equal the checkpoint's. Returns None when there is no checkpoint.
+    """
+    steps = self.steps()
+    if not steps:
+      return None
+    layout = {k: {a: [list(s), d] for a, (s, d) in v.items()}
+              for k, v in trainer.state_layout().items()}
+    expect = _normalise(expect)
+    failures = []
+    for step in reversed(steps):
+      path = self.path(step)
+      try:
+        with open(os.path.join(path, "meta.json"), encoding="utf-8") as f:
+          meta = json.load(f)
+        if meta.get("format") != FORMAT_VERSION or meta.get("step") != step:
+          raise CheckpointError(f"meta.json has format {meta.get('format')} and step "
+                                f"{meta.get('step')}")
+      except (OSError, ValueError, CheckpointError) as e:
+        failures.append(f"{path}: {e}")
+        logging.warning("Skipping checkpoint %s: its meta.json cannot be read (%s).", path, e)
+        continue
+      self._check_matches(path, meta, expect, layout)
+      try:
+        trainer.restore(lambda key: self._read(path, key, meta), step)
+      except Exception as e:  # pylint: disable=broad-except
+        failures.append(f"{path}: {e}")
+        logging.warning("Skipping checkpoint %s: it cannot be read back exactly (%s: %s); "
+                        "trying the previous one.", path, type(e).__name__, e)
+        continue
+      logging.info("Restored checkpoint %s (step %d).", path, step)
+      return meta
+    raise CheckpointError(
+        f"No checkpoint in {self.directory} could be read back: " + "; ".join(failures)
+        + ". The trainer's state is now undefined. Move the directory away to start "
+        "afresh.")
+
+  def _check_matches(self, path: str, meta: dict, expect: dict, layout: dict) -> None:
+    diffs = []
+    for section, current in expect.items():
+      diffs += _diff(section, meta.get(section, {}), current)
+    if diffs:
+      raise ValueError(
+          f"The checkpoint {path} was written by a run with other settings: "
+          + "; ".join(diffs) + ". Rerun with the settings of the run that wrote it, or "
+          "use a new --workdir.")
+    if meta["layout"] != layout:
+      parts = sorted(set(meta["layout"]) ^ set(layout)) or [
+          k for k in layout if meta["layout"][k] != layout[k]]
+      raise ValueError(
+          f"The checkpoint {path} holds a state laid out differently from this "
+          f"trainer's (parts {parts[:4]}{'...' if len(parts) > 4 else ''} differ): was it "
+          "written with another optimizer or engine? Rerun with the settings of the run "
+          "that wrote it, or use a new --workdir.")
+
+  def _read(self, path: str, key: str, meta: dict) -> dict[str, np.ndarray]:
+    arrays = ocp.PyTreeCheckpointer().restore(os.path.join(path, key))
+    want = meta["layout"][key]
+    if set(arrays) != set(want):
+      raise CheckpointError(f"part {key} holds arrays {sorted(arrays)}, expected "
+                            f"{sorted(want)}")
+    out = {}
+    for a, (shape, dtype) in want.items():
+      x = np.asarray(arrays[a])
+      if list(x.shape) != shape or str(x.dtype) != dtype:
+        raise CheckpointError(f"{key}/{a} is {x.dtype}{list(x.shape)}, expected "
+                              f"{dtype}{shape}")
+      if checksum(x) != meta["checksums"][key][a]:
+        raise CheckpointError(f"{key}/{a} does not match its checksum")
+      out[a] = x
+    return out
