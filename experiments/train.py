@@ -3,7 +3,9 @@
   python experiments/train.py                      # tiny model on stdlib text, ~1 min on 2 CPU cores
   python experiments/train.py --model=small --steps=1000 --workdir=runs/small
 
-Writes <workdir>/metrics.jsonl (one JSON object per logged step) and <workdir>/loss.png.
+Writes <workdir>/metrics.jsonl (one JSON object per logged step), <workdir>/loss.png
+and checkpoints in <workdir>/checkpoints (every --save_every steps and at the end).
+Running the same command again resumes from the latest complete checkpoint.
 """
 
 from absl import app, flags, logging
@@ -30,6 +32,10 @@ flags.DEFINE_integer("grad_accum", _D.grad_accum, "Streaming: micro-batches per 
 flags.DEFINE_bool("stream_embed_head", _D.stream_embed_head, "Streaming: fetch embedding/head when used (else keep them on the device).")
 flags.DEFINE_enum("optimizer_mode", _D.optimizer_mode, ["auto", "per_unit", "whole_tree"], "Streaming: host optimizer mode.")
 flags.DEFINE_integer("device_budget_mb", None, "Streaming: refuse configs needing more device memory (MiB).")
+flags.DEFINE_enum("nonfinite", _D.nonfinite, ["raise", "skip"], "Streaming: a NaN/inf loss or gradient raises, or skips the step.")
+flags.DEFINE_integer("save_every", _D.save_every, "Checkpoint every N steps (0: never); rerunning resumes.")
+flags.DEFINE_integer("keep", _D.keep, "Complete checkpoints to keep.")
+flags.DEFINE_integer("host_memory_limit_mb", None, "Host memory the preflight may plan for (default: what is available).")
 FLAGS = flags.FLAGS
 
 
@@ -43,8 +49,11 @@ def main(argv):
       seed=FLAGS.seed, log_every=FLAGS.log_every, compute_dtype=FLAGS.compute_dtype,
       prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
       grad_accum=FLAGS.grad_accum, stream_embed_head=FLAGS.stream_embed_head,
-      optimizer_mode=FLAGS.optimizer_mode,
-      device_budget_bytes=(FLAGS.device_budget_mb * 2**20 if FLAGS.device_budget_mb else None))
+      optimizer_mode=FLAGS.optimizer_mode, nonfinite=FLAGS.nonfinite,
+      device_budget_bytes=(FLAGS.device_budget_mb * 2**20 if FLAGS.device_budget_mb else None),
+      save_every=FLAGS.save_every, keep=FLAGS.keep,
+      host_memory_limit_bytes=(FLAGS.host_memory_limit_mb * 2**20
+                               if FLAGS.host_memory_limit_mb else None))
   try:
     train_lib.run(tc)
   except (ValueError, FileNotFoundError) as e:

@@ -44,6 +44,16 @@ WRITE_DELAY_ENV = "MEGATRAIN_CKPT_WRITE_DELAY_S"
 _STEP_RE = re.compile(r"^step_(\d{8})$")
 
 
+class _QuietOrbax:
+  """Drops Orbax's INFO lines (several per array written); its warnings stay."""
+
+  def filter(self, record) -> bool:
+    return record.levelno >= 30 or "orbax" not in record.pathname
+
+
+_QUIET = _QuietOrbax()
+
+
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written or read back."""
 
@@ -114,6 +124,8 @@ class CheckpointManager:
     self.keep = keep
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
+    if _QUIET not in logging.get_absl_logger().filters:
+      logging.get_absl_logger().addFilter(_QUIET)
     os.makedirs(directory, exist_ok=True)
     for name in sorted(os.listdir(directory)):
       if name.startswith("step_") and not _STEP_RE.match(name):

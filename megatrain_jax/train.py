@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 from typing import Any
@@ -13,9 +14,10 @@ import optax
 from absl import logging
 from flax import nnx
 
+from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax import metrics as metrics_lib
-from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
 from megatrain_jax.models.config import LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.resident import ResidentTrainer
@@ -49,23 +51,40 @@ class TrainConfig:
   stream_embed_head: bool = True
   optimizer_mode: str = "auto"
   device_budget_bytes: int | None = None
+  nonfinite: str = "raise"
+  # Checkpoints in <workdir>/checkpoints every `save_every` steps (0: none) and at
+  # the end; the last `keep` are kept. Rerunning with the same workdir resumes.
+  save_every: int = 100
+  keep: int = 2
+  # Host memory the preflight may plan for (None: what the kernel reports available).
+  host_memory_limit_bytes: int | None = None
   progress: bool = True
+
+  # Settings a resumed run must share with the run that wrote the checkpoint.
+  RESUME_FIELDS = ("engine", "steps", "batch_size", "seq_len", "lr", "warmup_steps",
+                   "weight_decay", "data", "max_data_bytes", "seed", "compute_dtype")
 
   def engine_config(self) -> EngineConfig:
     return EngineConfig(
         prefetch_depth=self.prefetch_depth, checkpoint_every=self.checkpoint_every,
         compute_dtype=DTYPES[self.compute_dtype], grad_accum=self.grad_accum,
         stream_embed_head=self.stream_embed_head, optimizer_mode=self.optimizer_mode,
-        device_budget_bytes=self.device_budget_bytes)
+        device_budget_bytes=self.device_budget_bytes, nonfinite=self.nonfinite)
 
   def model_config(self) -> LlamaConfig:
     return preset(self.model) if isinstance(self.model, str) else self.model
 
   def validate(self) -> None:
     cfg = self.model_config()
-    for name in ("steps", "batch_size", "seq_len", "log_every"):
+    for name in ("steps", "batch_size", "seq_len", "log_every", "keep"):
       if getattr(self, name) <= 0:
         raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
+    if self.save_every < 0:
+      raise ValueError(f"--save_every must be >= 0 (0: no checkpoints), got "
+                       f"{self.save_every}.")
+    if self.engine == "resident" and self.nonfinite != "raise":
+      raise ValueError("--nonfinite=skip needs --engine=streaming; the resident trainer "
+                       "raises on a non-finite step (and changes nothing).")
     if self.seq_len > cfg.max_seq_len:
       raise ValueError(f"--seq_len={self.seq_len} exceeds the model's max_seq_len="
                        f"{cfg.max_seq_len}; lower --seq_len or pick a larger --model.")
@@ -102,8 +121,29 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
   return ResidentTrainer(model, make_optimizer(tc), compute_dtype=DTYPES[tc.compute_dtype])
 
 
+def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
+  """Host and device bytes the run needs; refuses (ValueError) a run that cannot fit."""
+  resident = tc.engine == "resident"
+  plan = memory.check_fits(cfg, make_optimizer(tc), None if resident else tc.engine_config(),
+                           tc.batch_size, tc.seq_len, host_limit=tc.host_memory_limit_bytes,
+                           resident=resident)
+  logging.info("Memory plan: host %.3f GiB, device %.3f GiB (available host: %.1f GiB).",
+               plan["host"]["total"] / memory.GiB, plan["device"]["total"] / memory.GiB,
+               (tc.host_memory_limit_bytes or memory.available_host_bytes()) / memory.GiB)
+  return plan
+
+
+def checkpoint_settings(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, Any]]:
+  """What a checkpoint records and a resume compares."""
+  return {"model": cfg.to_dict(), "run": {k: getattr(tc, k) for k in tc.RESUME_FIELDS}}
+
+
 def run(tc: TrainConfig) -> list[dict[str, Any]]:
-  """Trains as `tc` says; writes metrics.jsonl and loss.png in `tc.workdir`."""
+  """Trains as `tc` says; writes metrics.jsonl, loss.png and checkpoints in `tc.workdir`.
+
+  Running it again with the same workdir resumes from the latest complete
+  checkpoint; the steps after it are logged exactly as an uninterrupted run's.
+  """
   tc.validate()
   cfg = tc.model_config()
   docs = data_lib.read_documents(tc.data, max_bytes=tc.max_data_bytes)
@@ -112,29 +152,63 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
   logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens; engine=%s.",
                tc.model if isinstance(tc.model, str) else "custom",
                cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len, tc.engine)
+  preflight(tc, cfg)
+  os.makedirs(tc.workdir, exist_ok=True)
   trainer = make_trainer(tc, cfg)
+  ckpt = (checkpoint_lib.CheckpointManager(os.path.join(tc.workdir, "checkpoints"), tc.keep)
+          if tc.save_every else None)
+  metrics_path = os.path.join(tc.workdir, "metrics.jsonl")
   try:
-    records = _loop(tc, cfg, dataset, trainer)
+    start = _resume(tc, cfg, trainer, ckpt, dataset, metrics_path)
+    if start < tc.steps:
+      _loop(tc, cfg, dataset, trainer, ckpt, start)
+    else:
+      logging.info("The checkpoint in %s is at step %d: training is complete "
+                   "(--steps=%d). Use a new --workdir to train again.",
+                   tc.workdir, start, tc.steps)
   finally:
-    if hasattr(trainer, "close"):
-      trainer.close()
+    try:
+      if ckpt is not None:
+        ckpt.close()
+    finally:
+      if hasattr(trainer, "close"):
+        trainer.close()
+  records = metrics_lib.read_metrics(metrics_path)
   metrics_lib.plot_loss(records, os.path.join(tc.workdir, "loss.png"),
                         title=f"{tc.model if isinstance(tc.model, str) else 'custom'} "
                               f"({tc.engine})")
-  logging.info("Wrote %s and loss.png.", os.path.join(tc.workdir, "metrics.jsonl"))
+  logging.info("Wrote %s and loss.png.", metrics_path)
   return records
 
 
-def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer) -> list[dict[str, Any]]:
+def _resume(tc, cfg, trainer, ckpt, dataset, metrics_path) -> int:
+  """Restores the latest checkpoint (if any); returns the step it holds."""
+  meta = ckpt.restore_latest(trainer, checkpoint_settings(tc, cfg)) if ckpt else None
+  if meta is None:
+    if os.path.exists(metrics_path):
+      os.remove(metrics_path)
+    return 0
+  start = meta["step"]
+  dataset.position = data_lib.DataPosition(**meta["data_position"])
+  # Records past the checkpoint came from the interrupted run; they are redone.
+  kept = [r for r in metrics_lib.read_metrics(metrics_path) if r["step"] <= start] \
+      if os.path.exists(metrics_path) else []
+  with open(metrics_path, "w", encoding="utf-8") as f:
+    f.writelines(json.dumps(r, sort_keys=True) + "\n" for r in kept)
+  logging.info("Resumed from step %d (data epoch %d, batch %d).", start,
+               dataset.position.epoch, dataset.position.index)
+  return start
+
+
+def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int) -> None:
   flops_per_token = metrics_lib.model_flops_per_token(cfg, tc.seq_len)
-  os.makedirs(tc.workdir, exist_ok=True)
-  records: list[dict[str, Any]] = []
+  settings = checkpoint_settings(tc, cfg)
   bar = None
   if tc.progress:
     from tqdm import tqdm
-    bar = tqdm(total=tc.steps, desc="train", unit="step", dynamic_ncols=True)
-  with metrics_lib.MetricsWriter(tc.workdir) as writer:
-    for step in range(1, tc.steps + 1):
+    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
+  with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer:
+    for step in range(start + 1, tc.steps + 1):
       batch = dataset.next_batch()
       t0 = time.perf_counter()
       m = trainer.step(batch)
@@ -146,10 +220,13 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer) -> list[dict[str,
         record = {"step": step, "loss": m["loss"], "grad_norm": m.get("grad_norm"),
                   "step_time_s": dt, "tokens_per_s": m["tokens"] / dt,
                   "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12}
+        if hasattr(trainer, "stats"):
+          record["skipped_steps"] = trainer.stats()["skipped_steps"]
         writer.write(record)
-        records.append(record)
         logging.info("step %d  loss %.4f  %.0f tok/s", step, m["loss"],
                      record["tokens_per_s"])
+      if ckpt is not None and (step % tc.save_every == 0 or step == tc.steps):
+        ckpt.save(trainer, {**settings,
+                            "data_position": dataclasses.asdict(dataset.position)})
   if bar is not None:
     bar.close()
-  return records

@@ -117,6 +117,18 @@ def device_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> dict[st
   return out
 
 
+def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation
+                          ) -> dict[str, int]:
+  """Device bytes of `ResidentTrainer`'s state: fp32 parameters, gradients and
+  optimizer state (activations are not counted)."""
+  trees = unit_trees(cfg)
+  n = sum(unit_sizes(cfg))
+  e, b, h = (_nbytes(jax.eval_shape(optimizer.init, t)) for t in trees)
+  out = {"params": 4 * n, "gradients": 4 * n, "optimizer_state": e + cfg.n_layers * b + h}
+  out["total"] = sum(out.values())
+  return out
+
+
 def available_host_bytes() -> int:
   """Host memory the kernel says a new allocation can get (MemAvailable)."""
   try:
@@ -144,16 +156,21 @@ def _parts(d: dict[str, int]) -> str:
 
 def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
                batch_size: int, seq_len: int, host_limit: int | None = None,
-               device_limit: int | None = None) -> dict[str, dict[str, int]]:
+               device_limit: int | None = None, resident: bool = False
+               ) -> dict[str, dict[str, int]]:
   """Refuses (ValueError, with the numbers and what to change) a run that cannot fit.
 
   host_limit defaults to `available_host_bytes()`; device_limit to the
   EngineConfig's budget, else the accelerator's memory. On the CPU backend the
   "device" is host memory, so device bytes count against the host limit too.
+  `resident=True` plans a `ResidentTrainer` (everything on the device).
   Returns {"host": ..., "device": ...}.
   """
-  host = host_bytes(cfg, optimizer, ec)
-  dev = device_bytes(cfg, ec, batch_size, seq_len)
+  if resident:
+    host, dev = {"total": 0}, resident_device_bytes(cfg, optimizer)
+  else:
+    host = host_bytes(cfg, optimizer, ec)
+    dev = device_bytes(cfg, ec, batch_size, seq_len)
   host_limit = available_host_bytes() if host_limit is None else host_limit
   on_cpu = jax.devices()[0].platform == "cpu"
   host_need = host["total"] + (dev["total"] if on_cpu else 0)
@@ -166,7 +183,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
         "use bfloat16 compute (halves the pinned copies), keep grad_accum=1 with an "
         "element-wise optimizer such as AdamW (no gradient accumulators), or use a "
         "machine with more RAM.")
-  limit = ec.device_budget_bytes or device_limit or accelerator_bytes()
+  limit = (ec.device_budget_bytes if ec is not None else None) or device_limit \
+      or accelerator_bytes()
   if limit is not None and dev["total"] > limit:
     raise ValueError(
         f"A step on batch [{batch_size}, {seq_len}] needs about "

@@ -1,0 +1,191 @@
+"""Bad input and non-finite steps: each refused or handled with a message naming it."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import megatrain_jax as mt
+from megatrain_jax import train as train_lib
+from megatrain_jax.engine import memory
+from megatrain_jax.engine import transport as transport_lib
+
+from conftest import TINY, random_batch
+
+
+def _same_params(a, b):
+  return all(np.array_equal(x, y, equal_nan=True)
+             for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _poison_master(trainer, unit):
+  """Puts a NaN into one unit's fp32 master (and its streaming copy)."""
+  m = np.array(trainer.host_opt.masters[unit])
+  m[0] = np.nan
+  trainer.host_opt.load_state(unit, {**trainer.host_opt.copy_state(unit), "master": m})
+  trainer._set_stream(unit, trainer.host_opt.stream_copy(trainer.host_opt.masters[unit]))
+
+
+class _NanGradLink(transport_lib.DeviceTransport):
+  """Returns the `nth` gradient of each step (1 = the head's) filled with NaN."""
+
+  def __init__(self, nth):
+    super().__init__()
+    self.nth, self.calls = nth, 0
+
+  def d2h(self, g):
+    self.calls += 1
+    out = super().d2h(g)
+    return out * np.float32(np.nan) if self.calls == self.nth else out
+
+
+def _engine(opt, **kw):
+  return mt.StreamingTrainer.from_config(TINY, opt, mt.EngineConfig(**kw), jax.random.key(0))
+
+
+# --- Non-finite loss ---------------------------------------------------------
+
+@pytest.mark.parametrize("opt", [mt.optim.adamw(1e-2), optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adam(1e-2))], ids=["per_unit", "whole_tree"])
+def test_nan_loss_raises_and_changes_nothing(opt):
+  with _engine(opt) as eng:
+    _poison_master(eng, 1)
+    before = eng.params()
+    with pytest.raises(FloatingPointError, match=r"Non-finite loss nan at step 1\. No "
+                                                 r"parameter or optimizer state was changed"):
+      eng.step(random_batch(TINY))
+    assert _same_params(eng.params(), before)
+    assert eng.step_count == 0
+    # The trainer is still usable: repair the unit and train on.
+    eng.host_opt.load_state(1, {**eng.host_opt.copy_state(1),
+                                "master": np.nan_to_num(np.array(eng.host_opt.masters[1]))})
+    eng._set_stream(1, eng.host_opt.stream_copy(eng.host_opt.masters[1]))
+    assert np.isfinite(eng.step(random_batch(TINY))["loss"])
+
+
+def test_nan_loss_skip_counts_the_step():
+  with _engine(mt.optim.adamw(1e-2), nonfinite="skip") as eng:
+    _poison_master(eng, 2)
+    before = eng.params()
+    out = eng.step(random_batch(TINY))
+    assert out["skipped"] and np.isnan(out["loss"])
+    assert eng.stats()["skipped_steps"] == 1
+    assert _same_params(eng.params(), before)
+
+
+def test_resident_nan_loss_raises_and_changes_nothing():
+  model = mt.Llama(TINY, rngs=nnx.Rngs(0))
+  tree = model.blocks[0].tree()
+  tree["attn"]["q"]["kernel"] = tree["attn"]["q"]["kernel"].at[0, 0].set(np.nan)
+  model.blocks[0].set_tree(tree)
+  ref = mt.ResidentTrainer(model, optax.adamw(1e-2))
+  before = ref.params()
+  with pytest.raises(FloatingPointError, match="Non-finite loss .* at step 1. No parameter"):
+    ref.step(random_batch(TINY))
+  assert _same_params(ref.params(), before) and ref.step_count == 0
+
+
+# --- Non-finite gradient with a finite loss ---------------------------------
+
+def test_nan_gradient_after_per_unit_updates_invalidates_the_trainer():
+  # Gradients arrive head, layer 1, layer 0, embed: poison layer 0's (the 3rd).
+  with _engine(mt.optim.adamw(1e-2), transport=_NanGradLink(3)) as eng:
+    with pytest.raises(FloatingPointError) as e:
+      eng.step(random_batch(TINY))
+    msg = str(e.value)
+    assert "Non-finite gradient at step 1" in msg and "first found in layer 0" in msg
+    assert "head, layer 1" in msg and "now invalid" in msg
+    with pytest.raises(RuntimeError, match="resume from the last checkpoint"):
+      eng.step(random_batch(TINY))
+
+
+@pytest.mark.parametrize("mode", ["skip", "whole_tree", "split_clip"])
+def test_nan_gradient_checked_before_any_update(mode):
+  opt = {"skip": mt.optim.adamw(1e-2),
+         "whole_tree": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
+         "split_clip": mt.optim.clip_by_global_norm(1.0, mt.optim.adamw(1e-2))}[mode]
+  kw = {"nonfinite": "skip"} if mode == "skip" else {}
+  with _engine(opt, transport=_NanGradLink(2), **kw) as eng:
+    before = eng.params()
+    if mode == "skip":
+      assert eng.step(random_batch(TINY))["skipped"]
+      assert eng.stats()["skipped_steps"] == 1
+    else:
+      with pytest.raises(FloatingPointError, match="first found in layer 1. No parameter"):
+        eng.step(random_batch(TINY))
+    assert _same_params(eng.params(), before)
+    assert np.isfinite(eng.step(random_batch(TINY, seed=1))["loss"])  # the link poisons once
+    assert not _same_params(eng.params(), before)
+
+
+def test_nan_in_loss_mask_is_refused():
+  batch = random_batch(TINY)
+  batch["loss_mask"][0, 3] = np.nan
+  with _engine(optax.sgd(0.1)) as eng, pytest.raises(ValueError, match="loss_mask.*NaN"):
+    eng.step(batch)
+
+
+# --- Preflight -----------------------------------------------------------------
+
+def test_memory_arithmetic_matches_a_hand_count():
+  cfg = mt.LlamaConfig(vocab_size=1000, d_model=64, n_layers=3, n_heads=4, n_kv_heads=2,
+                       d_ff=128, max_seq_len=64)
+  ec = mt.EngineConfig(compute_dtype="bfloat16")
+  block = 64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # q,o + k,v + mlp + 2 norms
+  sizes = [1000 * 64] + [block] * 3 + [64 + 64 * 1000]
+  n = sum(sizes)
+  assert memory.unit_sizes(cfg) == sizes and n == cfg.param_count()
+  host = memory.host_bytes(cfg, optax.adamw(1e-3), ec)
+  assert host["masters"] == 4 * n
+  assert host["optimizer_state"] == 8 * n + 5 * 4  # mu, nu + an int32 count per unit
+  assert host["pinned_copies"] == 2 * (n + max(sizes))
+  assert host["gradient_buffers"] == 5 * 4 * max(sizes)  # queued between the threads
+  clipped = memory.host_bytes(cfg, optax.chain(optax.clip_by_global_norm(1.0),
+                                               optax.adamw(1e-3)), ec)
+  assert clipped["gradient_buffers"] == 4 * n + 5 * 4 * max(sizes)  # + fp32 accumulators
+  dev = memory.device_bytes(cfg, ec, batch_size=4, seq_len=64)
+  act = 4 * 64 * 64 * 2
+  assert dev["params_in_flight"] == 3 * 2 * max(sizes)
+  assert dev["activation_checkpoints"] == 3 * act and dev["activations"] == 4 * act
+  assert dev["logits_chunk"] == 2 * 4 * 64 * 1000 * 4
+
+
+TINY_RUN = mt.preset("tiny")
+
+
+def _tc(tmp_path, **kw):
+  return train_lib.TrainConfig(workdir=str(tmp_path), steps=2, batch_size=4, seq_len=32,
+                               max_data_bytes=100_000, progress=False, **kw)
+
+
+def _no_trainer(monkeypatch):
+  def refuse(*a, **k):
+    raise AssertionError("the preflight let the run allocate its model")
+  monkeypatch.setattr(train_lib, "make_trainer", refuse)
+
+
+def test_preflight_refuses_a_run_over_host_ram(tmp_path, monkeypatch):
+  _no_trainer(monkeypatch)
+  with pytest.raises(ValueError) as e:
+    train_lib.run(_tc(tmp_path, host_memory_limit_bytes=2**20))
+  msg = str(e.value)
+  tc = _tc(tmp_path)
+  need = (memory.host_bytes(TINY_RUN, train_lib.make_optimizer(tc), tc.engine_config())["total"]
+          + memory.device_bytes(TINY_RUN, tc.engine_config(), 4, 32)["total"])  # CPU backend
+  assert f"needs about {need / 2**30:.2f} GiB of host memory" in msg
+  assert "masters 0.00, optimizer_state 0.01" in msg and "only 0.00 GiB is available" in msg
+  assert "smaller model" in msg
+
+
+def test_preflight_refuses_a_run_over_the_device_budget(tmp_path, monkeypatch):
+  _no_trainer(monkeypatch)
+  with pytest.raises(ValueError, match=r"needs about .* GiB of device memory .*over the "
+                                       r"device limit .*Lower the batch size"):
+    train_lib.run(_tc(tmp_path, device_budget_bytes=100_000))
+
+
+def test_missing_data_file_is_named_before_anything_is_built(tmp_path, monkeypatch):
+  _no_trainer(monkeypatch)
+  with pytest.raises(FileNotFoundError, match="/no/such/corpus.txt"):
+    train_lib.run(_tc(tmp_path, data="/no/such/corpus.txt"))
