@@ -213,10 +213,11 @@ def test_transport_fault_raises_original_error(where, depth):
                             mt.EngineConfig(prefetch_depth=depth,
                                             transport=_FailingLink(where, after=8)))
   t0 = time.monotonic()
-  with pytest.raises(OSError, match=f"injected {where} fault"):
+  with pytest.raises(OSError, match=f"injected {where} fault") as e:
     for s in range(3):
       eng.step(random_batch(BASE, 2, 8, seed=s))
   assert time.monotonic() - t0 < 10
+  assert "now invalid: resume from the last checkpoint" in " ".join(e.value.__notes__)
   assert len(_engine_threads()) == before
   with pytest.raises(RuntimeError, match="invalid after an earlier failure"):
     eng.step(random_batch(BASE, 2, 8))

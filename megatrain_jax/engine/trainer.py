@@ -623,6 +623,9 @@ class StreamingTrainer:
   def _fail(self, e: BaseException) -> None:
     """Marks the trainer invalid and stops its threads after a failed sweep."""
     self._invalid = e
+    if isinstance(e, Exception) and not isinstance(e, FloatingPointError):
+      e.add_note("The StreamingTrainer failed during a step; its host state may be "
+                 "half-updated, so it is now invalid: resume from the last checkpoint.")
     self.close()
 
   # --------------------------------------------------------------------------
