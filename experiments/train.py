@@ -2,6 +2,8 @@
 
   python experiments/train.py                      # tiny model on stdlib text, ~1 min on 2 CPU cores
   python experiments/train.py --model=small --steps=1000 --workdir=runs/small
+  python experiments/train.py --hf_model_dir=path/to/llama --data=chat.jsonl \
+      --data_format=sharegpt --export_dir=runs/sft/hf   # fine-tune a local HF checkpoint
 
 Writes <workdir>/metrics.jsonl (one JSON object per logged step), <workdir>/loss.png
 and checkpoints in <workdir>/checkpoints (every --save_every steps and at the end).
@@ -22,6 +24,10 @@ flags.DEFINE_integer("seq_len", _D.seq_len, "Tokens per sequence.")
 flags.DEFINE_float("lr", _D.lr, "Peak learning rate (warmup, then cosine decay).")
 flags.DEFINE_integer("warmup_steps", _D.warmup_steps, "Linear warmup steps.")
 flags.DEFINE_string("data", _D.data, "Comma-separated files/directories, or 'stdlib'.")
+flags.DEFINE_enum("data_format", _D.data_format, list(train_lib.DATA_FORMATS), "text: plain files (.jsonl by suffix); jsonl: {\"text\"} per line; alpaca; sharegpt.")
+flags.DEFINE_enum("overlong", _D.overlong, ["truncate", "drop"], "Instruction records longer than seq_len + 1.")
+flags.DEFINE_string("hf_model_dir", None, "Hugging Face Llama/Qwen2/Mistral checkpoint directory to fine-tune (config, safetensors, tokenizer).")
+flags.DEFINE_string("export_dir", None, "Write the trained model here in Hugging Face format.")
 flags.DEFINE_integer("max_data_bytes", _D.max_data_bytes, "Stop reading data after this many bytes.")
 flags.DEFINE_integer("seed", _D.seed, "Seed for init and data order.")
 flags.DEFINE_integer("log_every", _D.log_every, "Log every N steps.")
@@ -46,6 +52,8 @@ def main(argv):
       workdir=FLAGS.workdir, model=FLAGS.model, engine=FLAGS.engine, steps=FLAGS.steps,
       batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, lr=FLAGS.lr,
       warmup_steps=FLAGS.warmup_steps, data=FLAGS.data, max_data_bytes=FLAGS.max_data_bytes,
+      data_format=FLAGS.data_format, overlong=FLAGS.overlong,
+      hf_model_dir=FLAGS.hf_model_dir, export_dir=FLAGS.export_dir,
       seed=FLAGS.seed, log_every=FLAGS.log_every, compute_dtype=FLAGS.compute_dtype,
       prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
       grad_accum=FLAGS.grad_accum, stream_embed_head=FLAGS.stream_embed_head,

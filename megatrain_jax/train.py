@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import shutil
 import time
 from typing import Any
 
@@ -16,6 +17,7 @@ from flax import nnx
 
 from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import data as data_lib
+from megatrain_jax import hf
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
 from megatrain_jax.models.config import LlamaConfig, preset
@@ -23,6 +25,7 @@ from megatrain_jax.models.llama import Llama
 from megatrain_jax.resident import ResidentTrainer
 
 ENGINES = ("streaming", "resident")
+DATA_FORMATS = ("text", "jsonl", *data_lib.INSTRUCT_FORMATS)
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -40,7 +43,13 @@ class TrainConfig:
   warmup_steps: int = 20
   weight_decay: float = 0.01
   data: str = data_lib.STDLIB
+  # text (plain files; .jsonl files by suffix), jsonl ({"text"} per line), alpaca, sharegpt.
+  data_format: str = "text"
+  overlong: str = "truncate"  # instruction records longer than seq_len + 1: or "drop"
   max_data_bytes: int | None = 4_000_000
+  # A Hugging Face Llama/Qwen2/Mistral directory: its config, weights and tokenizer.
+  hf_model_dir: str | None = None
+  export_dir: str | None = None  # where to write the trained model in HF format
   seed: int = 0
   log_every: int = 10
   compute_dtype: str = "float32"
@@ -62,7 +71,8 @@ class TrainConfig:
 
   # Settings a resumed run must share with the run that wrote the checkpoint.
   RESUME_FIELDS = ("engine", "steps", "batch_size", "seq_len", "lr", "warmup_steps",
-                   "weight_decay", "data", "max_data_bytes", "seed", "compute_dtype")
+                   "weight_decay", "data", "data_format", "overlong", "max_data_bytes",
+                   "seed", "compute_dtype", "hf_model_dir")
 
   def engine_config(self) -> EngineConfig:
     return EngineConfig(
@@ -72,7 +82,15 @@ class TrainConfig:
         device_budget_bytes=self.device_budget_bytes, nonfinite=self.nonfinite)
 
   def model_config(self) -> LlamaConfig:
+    if self.hf_model_dir:
+      return hf.read_config(self.hf_model_dir)[0]
     return preset(self.model) if isinstance(self.model, str) else self.model
+
+  def tokenizer(self):
+    """The checkpoint's tokenizer.json with --hf_model_dir, else the byte tokenizer."""
+    if self.hf_model_dir and os.path.exists(os.path.join(self.hf_model_dir, "tokenizer.json")):
+      return data_lib.HFTokenizer(self.hf_model_dir)
+    return data_lib.ByteTokenizer()
 
   def validate(self) -> None:
     cfg = self.model_config()
@@ -100,9 +118,11 @@ class TrainConfig:
                          f"--grad_accum={self.grad_accum}.")
     if not self.lr > 0:
       raise ValueError(f"--lr must be positive, got {self.lr}.")
-    if cfg.vocab_size < data_lib.ByteTokenizer.vocab_size:
-      raise ValueError(f"The model's vocab_size={cfg.vocab_size} is smaller than the byte "
-                       f"tokenizer's {data_lib.ByteTokenizer.vocab_size} ids.")
+    if self.data_format not in DATA_FORMATS:
+      raise ValueError(f"--data_format={self.data_format!r} is not one of {DATA_FORMATS}.")
+    if self.overlong not in data_lib.instruct.OVERLONG:
+      raise ValueError(f"--overlong={self.overlong!r} is not one of "
+                       f"{data_lib.instruct.OVERLONG}.")
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -115,10 +135,45 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
   """The trainer `tc.engine` names; both start from the same parameters for a seed."""
   key = jax.random.key(tc.seed)
+  if tc.hf_model_dir and tc.engine == "streaming":
+    return StreamingTrainer.from_pretrained(tc.hf_model_dir, make_optimizer(tc),
+                                            tc.engine_config())
   if tc.engine == "streaming":
     return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.engine_config(), key)
-  model = Llama(cfg, rngs=nnx.Rngs(params=key))
+  if tc.hf_model_dir:
+    model = hf.from_pretrained(tc.hf_model_dir)[1]
+  else:
+    model = Llama(cfg, rngs=nnx.Rngs(params=key))
   return ResidentTrainer(model, make_optimizer(tc), compute_dtype=DTYPES[tc.compute_dtype])
+
+
+def make_dataset(tc: TrainConfig, cfg: LlamaConfig) -> data_lib.PackedDataset:
+  """Batches of `tc.data` in `tc.data_format`, tokenized for the model."""
+  tok = tc.tokenizer()
+  if tok.vocab_size > cfg.vocab_size:
+    raise ValueError(f"The tokenizer has {tok.vocab_size} ids but the model's vocab_size "
+                     f"is {cfg.vocab_size}; use a larger model or the model's own tokenizer.")
+  if tc.data_format in data_lib.INSTRUCT_FORMATS:
+    convs = data_lib.read_conversations(tc.data, tc.data_format)
+    windows, mask = data_lib.build_sequences(convs, tok, tc.seq_len, tc.overlong)
+    return data_lib.PackedDataset(windows, tc.batch_size, tc.seed, mask)
+  docs = data_lib.read_documents(tc.data, max_bytes=tc.max_data_bytes,
+                                 jsonl=True if tc.data_format == "jsonl" else None)
+  return data_lib.PackedDataset(data_lib.pack(docs, tc.seq_len, tok), tc.batch_size, tc.seed)
+
+
+def export(tc: TrainConfig, cfg: LlamaConfig, trainer) -> None:
+  """Writes the trained model to `tc.export_dir` in Hugging Face format."""
+  arch, extra = None, None
+  if tc.hf_model_dir:
+    _, arch, extra = hf.read_config(tc.hf_model_dir)
+  hf.save_pretrained(trainer, cfg, tc.export_dir, architecture=arch, extra_config=extra)
+  if tc.hf_model_dir:
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "special_tokens_map.json", "generation_config.json"):
+      src = os.path.join(tc.hf_model_dir, name)
+      if os.path.exists(src):
+        shutil.copyfile(src, os.path.join(tc.export_dir, name))
 
 
 def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
@@ -146,11 +201,9 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
   """
   tc.validate()
   cfg = tc.model_config()
-  docs = data_lib.read_documents(tc.data, max_bytes=tc.max_data_bytes)
-  dataset = data_lib.PackedDataset(data_lib.pack(docs, tc.seq_len), tc.batch_size,
-                                   tc.seed)
+  dataset = make_dataset(tc, cfg)
   logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens; engine=%s.",
-               tc.model if isinstance(tc.model, str) else "custom",
+               tc.hf_model_dir or (tc.model if isinstance(tc.model, str) else "custom"),
                cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len, tc.engine)
   preflight(tc, cfg)
   os.makedirs(tc.workdir, exist_ok=True)
@@ -162,6 +215,8 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
     start = _resume(tc, cfg, trainer, ckpt, dataset, metrics_path)
     if start < tc.steps:
       _loop(tc, cfg, dataset, trainer, ckpt, start)
+      if tc.export_dir:
+        export(tc, cfg, trainer)
     else:
       logging.info("The checkpoint in %s is at step %d: training is complete "
                    "(--steps=%d). Use a new --workdir to train again.",

@@ -3,7 +3,9 @@ import json
 import numpy as np
 import pytest
 
+import megatrain_jax as mt
 from megatrain_jax import data as data_lib
+from megatrain_jax.data import instruct
 
 
 @pytest.mark.parametrize("text", ["", "hello", "naïve café ∑ 日本語 🤖🚀", "\x00\n\t\U0010FFFF",
@@ -99,3 +101,87 @@ def test_too_little_data():
     data_lib.pack(["ab"], seq_len=16)
   with pytest.raises(ValueError, match="fewer than one batch"):
     data_lib.PackedDataset(np.zeros((3, 5), np.int32), 4, 0)
+
+
+# --- Instruction data --------------------------------------------------------
+
+def _write(path, records, jsonl=True):
+  with open(path, "w") as f:
+    if jsonl:
+      f.writelines(json.dumps(r) + "\n" for r in records)
+    else:
+      json.dump(records, f)
+  return str(path)
+
+
+def _trained_text(tok, ids, mask):
+  return tok.decode([i for i, m in zip(ids, mask) if m])
+
+
+def test_alpaca_trains_on_the_output_only(tmp_path):
+  path = _write(tmp_path / "a.json", [
+      {"instruction": "Add.", "input": "2+2", "output": "4", "system": "Be terse."},
+      {"instruction": "Say hi.", "output": "hi"}], jsonl=False)
+  convs = instruct.read_conversations(path, "alpaca")
+  assert convs[0] == [{"role": "system", "content": "Be terse."},
+                      {"role": "user", "content": "Add.\n\n2+2"},
+                      {"role": "assistant", "content": "4"}]
+  tok = mt.data.ByteTokenizer()
+  ids, mask = instruct.encode_conversation(tok, convs[0])
+  assert tok.decode(ids) == "<|system|>\nBe terse.\n<|user|>\nAdd.\n\n2+2\n<|assistant|>\n4\n"
+  assert _trained_text(tok, ids, mask) == "4\n" and ids[-1] == tok.EOS and mask[-1] == 1.0
+
+
+@pytest.mark.parametrize("record", [
+    {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                       {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a2"}]},
+    {"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1"},
+                  {"role": "user", "content": "q2"}, {"role": "assistant", "content": "a2"}]},
+], ids=["from_value", "role_content"])
+def test_sharegpt_trains_on_every_assistant_turn(tmp_path, record):
+  path = _write(tmp_path / "s.jsonl", [record])
+  conv, = instruct.read_conversations(path, "sharegpt")
+  tok = mt.data.ByteTokenizer()
+  ids, mask = instruct.encode_conversation(tok, conv)
+  assert _trained_text(tok, ids, mask) == "a1\na2\n"
+  assert sum(1 for i, m in zip(ids, mask) if m and i == tok.EOS) == 2
+
+
+def test_sequences_shift_the_mask_onto_labels_and_pad(tmp_path):
+  tok = mt.data.ByteTokenizer()
+  conv = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]
+  windows, mask = instruct.build_sequences([conv], tok, seq_len=40)
+  ds = mt.data.PackedDataset(windows, 1, seed=0, mask_NxT1=mask)
+  b = ds.next_batch()
+  labels = b["labels"][0][b["loss_mask"][0] > 0]
+  assert tok.decode(labels) == "ok\n" and labels[-1] == tok.EOS
+  assert (b["input_ids"][0][-3:] == tok.PAD).all()
+
+
+@pytest.mark.parametrize("overlong, rows, message", [("truncate", 2, "1 truncated"),
+                                                     ("drop", 1, "1 dropped")])
+def test_overlong_records_are_counted(overlong, rows, message, caplog):
+  tok = mt.data.ByteTokenizer()
+  short = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+  long = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a" * 100}]
+  windows, _ = instruct.build_sequences([short, long], tok, seq_len=32, overlong=overlong)
+  assert len(windows) == rows
+  assert message in caplog.text
+
+
+@pytest.mark.parametrize("fmt, content, where", [
+    ("alpaca", '{"instruction": "x", "output": "y"}\n{"instruction": 3, "output": "y"}\n',
+     "a.jsonl:2: field 'instruction' must be a string"),
+    ("alpaca", '[{"instruction": "x", "output": "y"}, {"output": "y"}]',
+     "a.jsonl: record 1: field 'instruction' must be a string"),
+    ("sharegpt", '{"conversations": [{"from": "robot", "value": "x"}]}\n',
+     "a.jsonl:1: turn 0 needs 'from'"),
+    ("sharegpt", '{"conversations": []}\n{"text": "x"}\n', "a.jsonl:1: the conversation has no"),
+    ("sharegpt", '{"messages": [{"role": "user", "content": "x"}]\n', "a.jsonl:1: not valid JSON"),
+])
+def test_malformed_record_names_file_and_record(tmp_path, fmt, content, where):
+  path = tmp_path / "a.jsonl"
+  path.write_text(content)
+  with pytest.raises(ValueError) as e:
+    instruct.read_conversations(str(path), fmt)
+  assert where in str(e.value)

@@ -57,12 +57,13 @@ def _jsonl_texts(path: str) -> Iterator[str]:
       yield record["text"]
 
 
-def read_documents(paths: Sequence[str] | str, max_bytes: int | None = None
-                   ) -> list[str]:
+def read_documents(paths: Sequence[str] | str, max_bytes: int | None = None,
+                   jsonl: bool | None = None) -> list[str]:
   """Documents from `paths` (files, directories, or "stdlib"), in a fixed order.
 
-  A `.jsonl` file gives one document per line's "text"; any other file is one
-  document. Reading stops once `max_bytes` of text are collected.
+  A JSONL file gives one document per line's "text"; any other file is one
+  document. `jsonl=None` decides by the `.jsonl` suffix, True/False forces it.
+  Reading stops once `max_bytes` of text are collected.
   """
   if isinstance(paths, str):
     paths = [p for p in paths.split(",") if p.strip()]
@@ -73,7 +74,7 @@ def read_documents(paths: Sequence[str] | str, max_bytes: int | None = None
   docs, total = [], 0
   for path in paths:
     for file in _expand(path):
-      if file.endswith(".jsonl"):
+      if jsonl if jsonl is not None else file.endswith(".jsonl"):
         texts = _jsonl_texts(file)
       else:
         with open(file, encoding="utf-8", errors="replace") as f:

@@ -10,8 +10,7 @@ import numpy as np
 from megatrain_jax.data.tokenizer import ByteTokenizer
 
 
-def pack(docs: Sequence[str], seq_len: int, tokenizer: ByteTokenizer | None = None
-         ) -> np.ndarray:
+def pack(docs: Sequence[str], seq_len: int, tokenizer=None) -> np.ndarray:
   """Concatenates documents (each ended by EOS) and cuts [N, seq_len + 1] windows.
 
   Consecutive windows share one token, so every token is a label exactly once.
@@ -43,13 +42,19 @@ class PackedDataset:
   a partial last batch of an epoch is dropped.
   """
 
-  def __init__(self, windows_NxT1: np.ndarray, batch_size: int, seed: int):
+  def __init__(self, windows_NxT1: np.ndarray, batch_size: int, seed: int,
+               mask_NxT1: np.ndarray | None = None):
+    """`mask_NxT1` marks the tokens to train on (as labels); None trains on all."""
     if batch_size <= 0:
       raise ValueError(f"batch_size must be positive, got {batch_size}.")
     if len(windows_NxT1) < batch_size:
       raise ValueError(f"The data packs into {len(windows_NxT1)} sequences, fewer than "
                        f"one batch of {batch_size}; add data or lower --batch_size.")
+    if mask_NxT1 is not None and mask_NxT1.shape != windows_NxT1.shape:
+      raise ValueError(f"mask shape {mask_NxT1.shape} != windows shape "
+                       f"{windows_NxT1.shape}.")
     self.windows = windows_NxT1
+    self.mask = mask_NxT1
     self.batch_size = batch_size
     self.seed = seed
     self.position = DataPosition()
@@ -69,9 +74,11 @@ class PackedDataset:
                                   (pos.index + 1) * self.batch_size]
     pos.index += 1
     w = self.windows[rows]
+    mask = (self.mask[rows][:, 1:] if self.mask is not None
+            else np.ones(w[:, 1:].shape, np.float32))
     return {"input_ids": w[:, :-1].astype(np.int32),
             "labels": w[:, 1:].astype(np.int32),
-            "loss_mask": np.ones(w[:, 1:].shape, np.float32)}
+            "loss_mask": mask.astype(np.float32)}
 
   def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
     while True:

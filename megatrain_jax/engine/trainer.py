@@ -171,6 +171,17 @@ class StreamingTrainer:
     self._setup(cfg, optimizer, config or EngineConfig(), units())
     return self
 
+  @classmethod
+  def from_pretrained(cls, local_dir: str, optimizer: optax.GradientTransformation,
+                      config: EngineConfig | None = None) -> "StreamingTrainer":
+    """Loads a Hugging Face Llama / Qwen2 / Mistral checkpoint directory unit by unit
+    into the host store (see `megatrain_jax.hf`); the model is never whole on the device."""
+    from megatrain_jax import hf  # pylint: disable=import-outside-toplevel
+    cfg, _, _ = hf.read_config(local_dir)
+    self = cls.__new__(cls)
+    self._setup(cfg, optimizer, config or EngineConfig(), hf.load_units(local_dir, cfg))
+    return self
+
   # --------------------------------------------------------------------------
   # Construction.
   # --------------------------------------------------------------------------
@@ -690,6 +701,12 @@ class StreamingTrainer:
     for u, m in enumerate(self.host_opt.masters):
       self._set_stream(u, self.host_opt.stream_copy(m))
     self._stats["steps"] = int(step_count)
+
+  def unit_params(self, u: int) -> dict[str, Any]:
+    """Unit u's fp32 master parameters as a tree of numpy arrays (a copy)."""
+    if self._threads_open:
+      self._wait_workers()
+    return jax.tree.map(np.array, self.specs[u].unflatten(np.asarray(self.host_opt.masters[u])))
 
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times."""

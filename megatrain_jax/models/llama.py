@@ -231,17 +231,29 @@ class Llama(nnx.Module):
   functions of this module; `model.param_tree()` is the whole tree.
   """
 
-  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs,
-               compute_dtype=jnp.float32):
+  def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs | None = None,
+               compute_dtype=jnp.float32, params: Params | None = None):
+    """Random init from `rngs`, or the given `params` tree (e.g. a loaded checkpoint)."""
     if not isinstance(cfg, LlamaConfig):
       raise TypeError(f"Llama needs a LlamaConfig, got {type(cfg).__name__}.")
+    if (rngs is None) == (params is None):
+      raise ValueError("Llama needs exactly one of rngs= (random init) or params= "
+                       "(a parameter tree).")
     self.cfg = cfg
     self.compute_dtype = compute_dtype
-    base = rngs.params()
-    self.embed = Unit(_jit_init_embed(cfg, unit_key(base, "embed")))
-    self.blocks = nnx.List([Unit(_jit_init_block(cfg, unit_key(base, "block", i)))
-                            for i in range(cfg.n_layers)])
-    self.head = Unit(_jit_init_head(cfg, unit_key(base, "head")))
+    if params is None:
+      base = rngs.params()
+      params = {"embed": _jit_init_embed(cfg, unit_key(base, "embed")),
+                "blocks": [_jit_init_block(cfg, unit_key(base, "block", i))
+                           for i in range(cfg.n_layers)],
+                "head": _jit_init_head(cfg, unit_key(base, "head"))}
+    elif len(params["blocks"]) != cfg.n_layers:
+      raise ValueError(f"params has {len(params['blocks'])} blocks; the config has "
+                       f"n_layers={cfg.n_layers}.")
+    f32 = lambda t: jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), t)
+    self.embed = Unit(f32(params["embed"]))
+    self.blocks = nnx.List([Unit(f32(b)) for b in params["blocks"]])
+    self.head = Unit(f32(params["head"]))
 
   def param_tree(self) -> Params:
     return {"embed": self.embed.tree(),

@@ -1,0 +1,205 @@
+"""Parity with `transformers` (PyTorch, CPU, fp32) for Llama, Qwen2 and Mistral checkpoints."""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+import transformers
+
+import megatrain_jax as mt
+from megatrain_jax import hf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHAPE = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+             rms_norm_eps=1e-5)
+CASES = {
+    "llama_gqa": ("LlamaConfig", "LlamaForCausalLM", "llama", {}),
+    "llama_tied": ("LlamaConfig", "LlamaForCausalLM", "llama",
+                   {"tie_word_embeddings": True, "num_key_value_heads": 4}),
+    "qwen2_qkv_bias": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {}),
+    # Mistral's default sliding window (4096) is longer than any sequence here: inactive.
+    "mistral": ("MistralConfig", "MistralForCausalLM", "mistral", {}),
+}
+
+
+def _hf_model(case, **overrides):
+  config_cls, model_cls, _, extra = CASES[case]
+  config = getattr(transformers, config_cls)(**{**SHAPE, **extra, **overrides})
+  torch.manual_seed(0)
+  model = getattr(transformers, model_cls)(config).eval()
+  with torch.no_grad():  # random biases and norm scales too, so each mapping matters
+    for p in model.parameters():
+      p.add_(0.05 * torch.randn_like(p))
+  return model
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def checkpoint(request, tmp_path_factory):
+  d = str(tmp_path_factory.mktemp(request.param))
+  model = _hf_model(request.param)
+  model.save_pretrained(d)
+  return request.param, d, model
+
+
+def _batch(seed=0, b=2, t=24):
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(0, SHAPE["vocab_size"], (b, t + 1)).astype(np.int32)
+  mask = (rng.random((b, t)) > 0.3).astype(np.float32)
+  return {"input_ids": ids[:, :-1], "labels": ids[:, 1:], "loss_mask": mask}
+
+
+def _torch_logits(model, ids):
+  with torch.no_grad():
+    return model(torch.tensor(np.asarray(ids), dtype=torch.long)).logits.numpy()
+
+
+def test_logits_match(checkpoint):
+  _, d, ref = checkpoint
+  cfg, model = hf.from_pretrained(d)
+  ids = _batch()["input_ids"]
+  np.testing.assert_allclose(np.asarray(model(jnp.asarray(ids))), _torch_logits(ref, ids),
+                             rtol=0, atol=1e-4)
+
+
+def test_loss_and_layer_gradient_match_autograd(checkpoint):
+  case, d, ref = checkpoint
+  cfg, model = hf.from_pretrained(d)
+  batch = _batch(1)
+  loss, grads = mt.ResidentTrainer(model, optax.sgd(0.0)).loss_and_grads(batch)
+
+  ref.zero_grad()
+  logits = ref(torch.tensor(batch["input_ids"], dtype=torch.long)).logits
+  ce = torch.nn.functional.cross_entropy(
+      logits.reshape(-1, logits.shape[-1]), torch.tensor(batch["labels"], dtype=torch.long).reshape(-1),
+      reduction="none")
+  mask = torch.tensor(batch["loss_mask"]).reshape(-1)
+  ref_loss = (ce * mask).sum() / mask.sum()
+  ref_loss.backward()
+  np.testing.assert_allclose(loss, ref_loss.item(), rtol=1e-4)
+  params = dict(ref.named_parameters())
+  names = hf._block_names(1, cfg)  # every tensor of layer 1, biases included for Qwen2
+  assert len(names) == (12 if case == "qwen2_qkv_bias" else 9)
+  for name, (path, transpose) in names.items():
+    want = params[name].grad.numpy()
+    got = np.asarray(hf._get(grads["blocks"][1], path))
+    got = got.T if transpose else got
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() <= 1e-4 * scale, name
+
+
+def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path):
+  case, d, ref = checkpoint
+  cfg, model = hf.from_pretrained(d)
+  out = str(tmp_path / "export")
+  hf.save_pretrained(model, cfg, out, architecture=CASES[case][2])
+  reloaded = getattr(transformers, CASES[case][1]).from_pretrained(out).eval()
+  ids = _batch(2)["input_ids"]
+  np.testing.assert_allclose(_torch_logits(reloaded, ids), _torch_logits(ref, ids),
+                             rtol=0, atol=1e-4)
+
+
+def test_sharded_checkpoint_streams_without_the_model_on_the_device(tmp_path):
+  ref = _hf_model("llama_gqa", num_hidden_layers=16, hidden_size=64, intermediate_size=256)
+  d = str(tmp_path / "sharded")
+  ref.save_pretrained(d, max_shard_size="600KB")
+  with open(os.path.join(d, "model.safetensors.index.json")) as f:
+    assert len(set(json.load(f)["weight_map"].values())) >= 4
+  cfg, model = hf.from_pretrained(d)
+  batch = _batch(3)
+  want = mt.ResidentTrainer(model, optax.sgd(0.1)).step(batch)["loss"]
+  with mt.StreamingTrainer.from_pretrained(d, optax.sgd(0.1)) as eng:
+    got = eng.step(batch)["loss"]
+    stats = eng.stats()
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    model_bytes = 4 * stats["param_count"]
+    assert stats["device_peak_bytes"] < model_bytes / 2, (stats["device_peak_bytes"], model_bytes)
+    # The export of a trainer is unit by unit, and splits into shards as asked.
+    hf.save_pretrained(eng, cfg, str(tmp_path / "out"), max_shard_bytes=600_000)
+  assert os.path.exists(tmp_path / "out" / "model.safetensors.index.json")
+  assert hf.read_config(str(tmp_path / "out"))[0] == cfg
+
+
+def test_older_top_level_rope_theta_is_read():
+  cfg, arch = hf.config_from_hf({
+      "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
+      "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+      "hidden_act": "silu", "bos_token_id": 1, "use_cache": True})
+  assert arch == "llama" and cfg.rope_theta == 500000.0 and cfg.n_kv_heads == 4
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+     "only the default rope type"),
+    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling is not implemented"),
+    ({"sliding_window": 16}, "an active sliding window"),
+    ({"hidden_act": "gelu"}, "only SiLU"),
+    ({"attention_bias": True}, "attention biases"),
+    ({"frobnication_level": 3}, "frobnication_level=3: unknown key"),
+    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "only ['LlamaForCausalLM'"),
+])
+def test_unimplemented_config_is_refused_by_name(change, message):
+  base = json.loads(json.dumps(_hf_model("mistral").config.to_dict()))
+  base.update(change)
+  with pytest.raises(ValueError, match="does not implement") as e:
+    hf.config_from_hf(base)
+  assert message in str(e.value)
+
+
+def _write_tokenizer(d):
+  """A word-level tokenizer.json and a ChatML chat template, built here."""
+  from tokenizers import Tokenizer, models, pre_tokenizers
+  words = ["[UNK]", "<|im_start|>", "<|im_end|>", "user", "assistant", "system", "\n"]
+  words += [f"w{i}" for i in range(40)]
+  tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+  tok.pre_tokenizer = pre_tokenizers.Whitespace()
+  tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])
+  tok.save(os.path.join(d, "tokenizer.json"))
+  template = ("{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}"
+              "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant "
+              "{% endif %}")
+  with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
+    json.dump({"eos_token": "<|im_end|>", "chat_template": template}, f)
+
+
+def test_hf_tokenizer_masks_every_assistant_turn(tmp_path):
+  _write_tokenizer(str(tmp_path))
+  tok = mt.data.HFTokenizer(str(tmp_path))
+  conv = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"},
+          {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]
+  ids, mask = mt.data.encode_conversation(tok, conv)
+  trained = [tok._tok.id_to_token(i) for i, m in zip(ids, mask) if m]
+  assert trained == ["w3", "w4", "<|im_end|>", "w6", "<|im_end|>"]
+  assert "".join(tok._tok.id_to_token(i) for i in ids).count("<|im_start|>") == 4
+
+
+def test_launcher_fine_tunes_and_exports_a_local_checkpoint(tmp_path):
+  d = str(tmp_path / "base")
+  _hf_model("qwen2_qkv_bias").save_pretrained(d)
+  _write_tokenizer(d)
+  data = tmp_path / "chat.jsonl"
+  with open(data, "w") as f:
+    for i in range(12):
+      f.write(json.dumps({"conversations": [
+          {"from": "human", "value": f"w{i} w{i + 1}"},
+          {"from": "gpt", "value": f"w{i + 2} w{i + 3} w{i + 4}"}]}) + "\n")
+  out = str(tmp_path / "export")
+  r = subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "train.py"), f"--workdir={tmp_path}/run",
+       f"--hf_model_dir={d}", f"--data={data}", "--data_format=sharegpt", "--steps=4",
+       "--batch_size=4", "--seq_len=16", "--lr=1e-3", f"--export_dir={out}", "--save_every=0"],
+      capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert r.returncode == 0, r.stderr[-3000:]
+  tuned = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
+  base = transformers.Qwen2ForCausalLM.from_pretrained(d).eval()
+  ids = _batch()["input_ids"]
+  assert np.abs(_torch_logits(tuned, ids) - _torch_logits(base, ids)).max() > 1e-4
+  assert os.path.exists(os.path.join(out, "tokenizer.json"))
