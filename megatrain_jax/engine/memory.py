@@ -108,7 +108,8 @@ def device_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> dict[st
   out = {
       "params_in_flight": prefetch_slots(cfg, ec) * cd * max(streamed or [0]),
       "resident_units": 0 if ec.stream_embed_head else cd * (sizes[0] + sizes[-1]),
-      "gradients_in_flight": MAX_PENDING * max(grad_bytes),
+      # One more than the queue holds: the next gradient exists while it waits to enter.
+      "gradients_in_flight": (MAX_PENDING + 1) * max(grad_bytes),
       "activation_checkpoints": -(-cfg.n_layers // ec.checkpoint_every) * act,
       "activations": (ec.checkpoint_every + 3) * act,
       "logits_chunk": 2 * min(chunk, b * seq_len) * cfg.vocab_size * 4,
