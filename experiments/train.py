@@ -19,7 +19,7 @@ flags.DEFINE_string("workdir", _D.workdir, "Output directory.")
 flags.DEFINE_string("model", _D.model, "Model size: one of megatrain_jax.PRESETS.")
 flags.DEFINE_enum("engine", _D.engine, list(train_lib.ENGINES), "Trainer.")
 flags.DEFINE_integer("steps", _D.steps, "Training steps.")
-flags.DEFINE_integer("batch_size", _D.batch_size, "Sequences per step.")
+flags.DEFINE_string("batch_size", str(_D.batch_size), "Sequences per step, or 'auto': the largest the planner says fits the device.")
 flags.DEFINE_integer("seq_len", _D.seq_len, "Tokens per sequence.")
 flags.DEFINE_float("lr", _D.lr, "Peak learning rate (warmup, then cosine decay).")
 flags.DEFINE_integer("warmup_steps", _D.warmup_steps, "Linear warmup steps.")
@@ -45,12 +45,19 @@ flags.DEFINE_integer("host_memory_limit_mb", None, "Host memory the preflight ma
 FLAGS = flags.FLAGS
 
 
+def _int(text: str) -> int:
+  try:
+    return int(text)
+  except ValueError:
+    raise app.UsageError(f"--batch_size must be an integer or 'auto', got {text!r}.") from None
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   tc = train_lib.TrainConfig(
       workdir=FLAGS.workdir, model=FLAGS.model, engine=FLAGS.engine, steps=FLAGS.steps,
-      batch_size=FLAGS.batch_size, seq_len=FLAGS.seq_len, lr=FLAGS.lr,
+      batch_size=FLAGS.batch_size if FLAGS.batch_size == "auto" else _int(FLAGS.batch_size), seq_len=FLAGS.seq_len, lr=FLAGS.lr,
       warmup_steps=FLAGS.warmup_steps, data=FLAGS.data, max_data_bytes=FLAGS.max_data_bytes,
       data_format=FLAGS.data_format, overlong=FLAGS.overlong,
       hf_model_dir=FLAGS.hf_model_dir, export_dir=FLAGS.export_dir,

@@ -62,6 +62,8 @@ class Hardware:
   peak_flops: float
   shared: bool = False
   call_overhead_s: float = 20e-6
+  # Fused (flash) attention: the [T, T] probabilities never exist in device memory.
+  flash_attention: bool = True
   source: str = ""
 
   def flops_at(self, d_model: int) -> float:
@@ -193,6 +195,7 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32) -> Hardware:
                   device_bytes=memory.accelerator_bytes() or memory.available_host_bytes(),
                   host_bytes=memory.available_host_bytes(),
                   peak_flops=max(f for _, f in points), shared=shared,
+                  flash_attention=dev.platform != "cpu",
                   call_overhead_s=call, source="calibrated on this machine")
 
 
@@ -257,6 +260,30 @@ def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> int:
               + sum(sent[-(MAX_PENDING + 1):]))
       peak = max(peak, held)
   return peak + resident
+
+
+def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
+                    flash_attention: bool) -> int:
+  """XLA's scratch inside one layer's backward template (estimated): the values the
+  vjp keeps (norm outputs, q/k/v, attention output, the MLP's three d_ff-wide
+  intermediates) and their cotangents, plus the [T, T] attention probabilities
+  and their gradient in fp32 unless attention is fused."""
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  tokens = (batch_size // ec.grad_accum) * seq_len
+  kv = cfg.n_kv_heads * cfg.head_dim
+  per_token = 2 * cfg.d_model + cfg.d_model + 2 * kv + cfg.d_model + 3 * cfg.d_ff
+  out = 2 * tokens * per_token * cd
+  if not flash_attention:
+    out += 2 * (batch_size // ec.grad_accum) * cfg.n_heads * seq_len * seq_len * 4
+  return out
+
+
+def device_total(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, int]:
+  """`engine.memory.device_bytes` plus the workspace of one layer, by kind."""
+  dev = dict(memory.device_bytes(cfg, ec, batch_size, seq_len))
+  dev["workspace"] = workspace_bytes(cfg, ec, batch_size, seq_len, hw.flash_attention)
+  dev["total"] += dev["workspace"]
+  return dev
 
 
 # -----------------------------------------------------------------------------
@@ -333,7 +360,7 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
 
 def largest_batch(cfg, optimizer, ec, hw: Hardware, seq_len: int, limit: int = 1 << 16) -> int:
   """The largest batch (a multiple of grad_accum) whose device bytes fit `hw`."""
-  fits = lambda b: memory.device_bytes(cfg, ec, b, seq_len)["total"] <= hw.device_bytes
+  fits = lambda b: device_total(cfg, ec, hw, b, seq_len)["total"] <= hw.device_bytes
   step = ec.grad_accum
   if not fits(step):
     return 0
@@ -350,7 +377,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
          batch_size: int, seq_len: int) -> Plan:
   """Memory and step time of a streaming run on `hw` (see the module docstring)."""
   host = memory.host_bytes(cfg, optimizer, ec)
-  dev = memory.device_bytes(cfg, ec, batch_size, seq_len)
+  dev = device_total(cfg, ec, hw, batch_size, seq_len)
   t = _times(cfg, ec, hw, batch_size, seq_len)
   sizes = memory.unit_sizes(cfg)
   cd = jnp.dtype(ec.compute_dtype).itemsize
@@ -361,8 +388,12 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
     # The first unit's fetch and the last unit's update cannot overlap anything.
     exposed = cd * sizes[0] / hw.h2d_bytes_per_s + t["host_opt"] * sizes[0] / sum(sizes)
     t["not_overlapped"] = exposed
-    step = max(t["compute"], t["h2d"], t["d2h"], t["host_opt"]) + exposed
-    bottleneck = max(("compute", "h2d", "d2h", "host_opt"), key=t.get)
+    if ec.prefetch_depth == 0:  # each fetch waits for the previous compute: no overlap
+      step = max(t["compute"] + t["h2d"], t["d2h"], t["host_opt"]) + exposed
+      bottleneck = "compute + h2d (no prefetch)"
+    else:
+      step = max(t["compute"], t["h2d"], t["d2h"], t["host_opt"]) + exposed
+      bottleneck = max(("compute", "h2d", "d2h", "host_opt"), key=t.get)
   tokens = batch_size * seq_len
   per_token = (t["compute"]) / tokens
   break_even = t["h2d"] / per_token if per_token > 0 else float("inf")

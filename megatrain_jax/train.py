@@ -18,6 +18,7 @@ from flax import nnx
 from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
+from megatrain_jax import planner
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
 from megatrain_jax.models.config import LlamaConfig, preset
@@ -37,7 +38,7 @@ class TrainConfig:
   model: str | LlamaConfig = "tiny"
   engine: str = "streaming"
   steps: int = 200
-  batch_size: int = 16
+  batch_size: int | str = 16  # or "auto": the largest the planner says fits
   seq_len: int = 128
   lr: float = 3e-3
   warmup_steps: int = 20
@@ -94,7 +95,15 @@ class TrainConfig:
 
   def validate(self) -> None:
     cfg = self.model_config()
-    for name in ("steps", "batch_size", "seq_len", "log_every", "keep"):
+    if self.batch_size == "auto":
+      if self.engine != "streaming":
+        raise ValueError("--batch_size=auto plans for the streaming engine; give a number "
+                         "with --engine=resident.")
+    elif not isinstance(self.batch_size, int):
+      raise ValueError(f"--batch_size must be a positive integer or 'auto', got "
+                       f"{self.batch_size!r}.")
+    for name in ("steps", "seq_len", "log_every", "keep") + (
+        () if self.batch_size == "auto" else ("batch_size",)):
       if getattr(self, name) <= 0:
         raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
     if self.save_every < 0:
@@ -113,7 +122,7 @@ class TrainConfig:
                        f"{sorted(DTYPES)}.")
     if self.engine == "streaming":
       self.engine_config()  # validates the engine fields
-      if self.batch_size % self.grad_accum:
+      if self.batch_size != "auto" and self.batch_size % self.grad_accum:
         raise ValueError(f"--batch_size={self.batch_size} is not divisible by "
                          f"--grad_accum={self.grad_accum}.")
     if not self.lr > 0:
@@ -145,6 +154,25 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
   else:
     model = Llama(cfg, rngs=nnx.Rngs(params=key))
   return ResidentTrainer(model, make_optimizer(tc), compute_dtype=DTYPES[tc.compute_dtype])
+
+
+def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
+  """The largest batch the planner says fits the device (the budget, the accelerator,
+  or on the CPU backend the host RAM the rest of the run leaves)."""
+  ec = tc.engine_config()
+  limit = ec.device_budget_bytes or memory.accelerator_bytes()
+  if limit is None:
+    host = memory.host_bytes(cfg, make_optimizer(tc), ec)["total"]
+    limit = (tc.host_memory_limit_bytes or memory.available_host_bytes()) - host
+  hw = dataclasses.replace(planner.PROFILES["h200"], device_bytes=max(limit, 0),
+                           flash_attention=jax.devices()[0].platform != "cpu")
+  batch = planner.largest_batch(cfg, make_optimizer(tc), ec, hw, tc.seq_len)
+  if batch == 0:
+    raise ValueError(f"Not even one sequence of {tc.seq_len} tokens fits in "
+                     f"{limit / 2**30:.2f} GiB of device memory; shorten --seq_len.")
+  logging.info("--batch_size=auto: %d sequences of %d tokens fit in %.2f GiB.", batch,
+               tc.seq_len, limit / 2**30)
+  return batch
 
 
 def make_dataset(tc: TrainConfig, cfg: LlamaConfig) -> data_lib.PackedDataset:
@@ -201,6 +229,8 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
   """
   tc.validate()
   cfg = tc.model_config()
+  if tc.batch_size == "auto":
+    tc = dataclasses.replace(tc, batch_size=auto_batch_size(tc, cfg))
   dataset = make_dataset(tc, cfg)
   logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens; engine=%s.",
                tc.hf_model_dir or (tc.model if isinstance(tc.model, str) else "custom"),

@@ -7,6 +7,7 @@ anything. `StreamingTrainer.estimate_device_bytes` uses the same functions.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import Any
 
@@ -23,12 +24,13 @@ from megatrain_jax.models.loss import default_chunk_tokens
 GiB = 2**30
 
 
-def unit_trees(cfg: LlamaConfig) -> list[Any]:
+@functools.lru_cache(maxsize=256)
+def unit_trees(cfg: LlamaConfig) -> tuple[Any, ...]:
   """Abstract parameter trees of [embed, one block, head] (ShapeDtypeStructs)."""
   key = jax.random.key(0)
-  return [jax.eval_shape(lambda: llama.init_embed(cfg, key)),
+  return (jax.eval_shape(lambda: llama.init_embed(cfg, key)),
           jax.eval_shape(lambda: llama.init_block(cfg, key)),
-          jax.eval_shape(lambda: llama.init_head(cfg, key))]
+          jax.eval_shape(lambda: llama.init_head(cfg, key)))
 
 
 def _size(tree) -> int:
@@ -39,10 +41,15 @@ def _nbytes(tree) -> int:
   return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
+@functools.lru_cache(maxsize=256)
+def _sizes(cfg: LlamaConfig) -> tuple[int, ...]:
+  e, b, h = (_size(t) for t in unit_trees(cfg))
+  return (e,) + (b,) * cfg.n_layers + (h,)
+
+
 def unit_sizes(cfg: LlamaConfig) -> list[int]:
   """Parameters of every unit: embed, each block, head."""
-  e, b, h = (_size(t) for t in unit_trees(cfg))
-  return [e] + [b] * cfg.n_layers + [h]
+  return list(_sizes(cfg))
 
 
 def prefetch_slots(cfg: LlamaConfig, ec) -> int:

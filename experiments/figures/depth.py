@@ -1,0 +1,25 @@
+"""Figure 3: depth scaling at fixed width: throughput and device memory.
+
+  python experiments/figures/depth.py --out_dir=figures   # a few minutes
+
+Predicted: a 7B-wide model (d=4096) from 28 to 180 layers on `h200`, batch 8 x 4096.
+Measured: a narrow model on this machine from 2 to 16 layers; the device peak stays
+flat because only a few layers are ever on the device.
+"""
+
+from absl import app, flags
+
+from megatrain_jax.figures import depth
+
+flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
+flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  depth.make(FLAGS.out_dir, FLAGS.quick)
+
+
+if __name__ == "__main__":
+  app.run(main)

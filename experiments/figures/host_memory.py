@@ -1,0 +1,26 @@
+"""Figure 1: host memory vs model size, with the paper's 1.5 TB line.
+
+  python experiments/figures/host_memory.py --out_dir=figures   # seconds
+
+Predicted: the planner's host bytes by kind (fp32 masters, AdamW moments, gradient
+buffers, bf16 pinned copies) for Llama-shaped models from 7B to 200B. Measured: the
+bytes the engine allocates on this machine for small presets (masters, optimizer state,
+streaming copies), beside the planner's count for the same configs.
+"""
+
+from absl import app, flags
+
+from megatrain_jax.figures import host_memory
+
+flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
+flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  host_memory.make(FLAGS.out_dir, FLAGS.quick)
+
+
+if __name__ == "__main__":
+  app.run(main)

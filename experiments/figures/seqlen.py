@@ -1,0 +1,26 @@
+"""Figure 5: sequence length 1K -> 512K for a 7B model on GH200: batch, step time, device memory.
+
+  python experiments/figures/seqlen.py --out_dir=figures   # about a minute
+
+Predicted: for each length, the smallest checkpoint_every (1, 2, 4, 8, 16, 32) at
+which one sequence fits, then the largest batch at that setting, on `gh200`. Where
+nothing fits, the row says so. Measured: a tiny model on this machine from 64 to 1024
+tokens at a fixed 4K tokens per step.
+"""
+
+from absl import app, flags
+
+from megatrain_jax.figures import seqlen
+
+flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
+flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  seqlen.make(FLAGS.out_dir, FLAGS.quick)
+
+
+if __name__ == "__main__":
+  app.run(main)

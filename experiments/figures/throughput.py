@@ -1,0 +1,25 @@
+"""Figure 2: throughput (model TFLOPS) vs model size on H200 and GH200.
+
+  python experiments/figures/throughput.py --out_dir=figures   # about a minute
+
+Predicted: the planner at the largest batch that fits, capped at 64K tokens per step,
+bf16 compute, for 7B..200B on the `h200` and `gh200` profiles. Measured: model TFLOPS
+of the streaming engine on this machine for small presets.
+"""
+
+from absl import app, flags
+
+from megatrain_jax.figures import throughput
+
+flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
+flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  throughput.make(FLAGS.out_dir, FLAGS.quick)
+
+
+if __name__ == "__main__":
+  app.run(main)

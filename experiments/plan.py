@@ -1,0 +1,52 @@
+"""Will it fit, and how fast? Prints the planner's prediction as a table.
+
+  python experiments/plan.py --model=7b --hardware=h200 --batch_size=8 --seq_len=4096
+  python experiments/plan.py --hf_config=path/to/config.json --hardware=gh200 --batch_size=auto
+  python experiments/plan.py --model=small --hardware=measured   # calibrates this machine (~15 s)
+
+Hardware: h200, gh200, h100_pcie, a100, rtx3090, rtx_a6000 (published peaks, sources in
+megatrain_jax/planner.py), or measured.
+"""
+
+from absl import app, flags
+
+from megatrain_jax import planner
+from megatrain_jax.engine import EngineConfig
+from megatrain_jax.models.config import PRESETS, preset
+from megatrain_jax.optim import adamw
+
+flags.DEFINE_string("model", "7b", f"A preset: {sorted(PRESETS)}.")
+flags.DEFINE_string("hf_config", None, "A Hugging Face config.json (overrides --model).")
+flags.DEFINE_string("hardware", "h200", "A hardware profile, or 'measured'.")
+flags.DEFINE_string("batch_size", "8", "Sequences per step, or 'auto' (the largest that fits).")
+flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence.")
+flags.DEFINE_enum("compute_dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
+flags.DEFINE_integer("prefetch_depth", 2, "Units fetched ahead.")
+flags.DEFINE_integer("checkpoint_every", 1, "Activation checkpoint every N layers.")
+flags.DEFINE_integer("grad_accum", 1, "Micro-batches per step.")
+FLAGS = flags.FLAGS
+
+
+def main(argv):
+  del argv
+  try:
+    cfg = (planner.config_from_hf_json(FLAGS.hf_config) if FLAGS.hf_config
+           else preset(FLAGS.model))
+    hw = planner.hardware(FLAGS.hardware)
+  except (ValueError, FileNotFoundError) as e:
+    raise app.UsageError(str(e)) from None
+  cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, FLAGS.seq_len))
+  ec = EngineConfig(prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
+                    compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum)
+  opt = adamw(1e-4)
+  if FLAGS.batch_size == "auto":
+    batch = planner.largest_batch(cfg, opt, ec, hw, FLAGS.seq_len)
+    if batch == 0:
+      raise app.UsageError(f"Not even one sequence of {FLAGS.seq_len} tokens fits {hw.name}.")
+  else:
+    batch = int(FLAGS.batch_size)
+  print(planner.plan(cfg, opt, ec, hw, batch, FLAGS.seq_len).table())  # the tool's output
+
+
+if __name__ == "__main__":
+  app.run(main)

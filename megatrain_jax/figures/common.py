@@ -1,0 +1,93 @@
+"""Shared pieces of the figure scripts in `experiments/figures/`.
+
+Each figure is a CSV (one row per point, with a `source` column saying
+"measured" or "predicted") and a PNG drawn from the same rows. Measured points
+come from runs on the machine at hand; predicted points come from the planner
+at paper scale.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import numpy as np
+
+from megatrain_jax.benchmark import synthetic_batch
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.metrics import model_flops_per_token
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.optim import adamw
+
+# Llama-shaped models at the paper's scales (GQA with 8 KV heads above 7B).
+PAPER_MODELS: dict[str, LlamaConfig] = {
+    "7B": LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
+                      d_ff=11008, max_seq_len=4096),
+    "14B": LlamaConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=8,
+                       d_ff=13824, max_seq_len=4096),
+    "32B": LlamaConfig(vocab_size=32000, d_model=6656, n_layers=60, n_heads=52, n_kv_heads=4,
+                       d_ff=17920, max_seq_len=4096),
+    "70B": LlamaConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                       d_ff=28672, max_seq_len=4096),
+    "120B": LlamaConfig(vocab_size=32000, d_model=10240, n_layers=96, n_heads=80, n_kv_heads=8,
+                        d_ff=28672, max_seq_len=4096),
+    "200B": LlamaConfig(vocab_size=32000, d_model=12288, n_layers=112, n_heads=96,
+                        n_kv_heads=8, d_ff=36864, max_seq_len=4096),
+}
+
+
+def write(out_dir: str, name: str, rows: Sequence[dict[str, Any]],
+          draw: Callable[[Any, Sequence[dict[str, Any]]], None], title: str,
+          panels: int = 1) -> tuple[str, str]:
+  """Writes <out_dir>/<name>.csv and <name>.png; returns their paths."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
+  os.makedirs(out_dir, exist_ok=True)
+  csv_path = os.path.join(out_dir, f"{name}.csv")
+  keys = list(dict.fromkeys(k for r in rows for k in r))
+  with open(csv_path, "w", newline="", encoding="utf-8") as f:
+    w = csv.DictWriter(f, fieldnames=keys)
+    w.writeheader()
+    w.writerows(rows)
+  fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
+  draw(axes, rows)
+  fig.suptitle(title)
+  fig.tight_layout()
+  png_path = os.path.join(out_dir, f"{name}.png")
+  fig.savefig(png_path, dpi=100)
+  plt.close(fig)
+  return csv_path, png_path
+
+
+def measure_streaming(cfg: LlamaConfig, batch_size: int, seq_len: int,
+                      ec: EngineConfig | None = None, steps: int = 3) -> dict[str, Any]:
+  """Median step time (after one warm-up step), device peak and throughput, measured."""
+  ec = ec or EngineConfig()
+  batch = synthetic_batch(cfg, batch_size, seq_len)
+  with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
+    eng.step(batch)
+    times = []
+    for _ in range(steps):
+      t0 = time.perf_counter()
+      eng.step(batch)
+      times.append(time.perf_counter() - t0)
+    st = eng.stats()
+  t = statistics.median(times)
+  tokens = batch_size * seq_len
+  return {"step_time_s": t, "device_peak_bytes": st["device_peak_bytes"],
+          "tokens_per_s": tokens / t,
+          "model_tflops_per_s": model_flops_per_token(cfg, seq_len) * tokens / t / 1e12,
+          "params": st["param_count"]}
+
+
+def points(rows, x: str, y: str, **match) -> tuple[list, list]:
+  """The (x, y) values of the rows matching every `key=value` in `match`."""
+  sel = [r for r in rows if all(r.get(k) == v for k, v in match.items())
+         and r.get(y) is not None]
+  return [r[x] for r in sel], [r[y] for r in sel]

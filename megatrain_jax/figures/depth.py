@@ -1,0 +1,70 @@
+"""Figure 3: depth scaling at fixed width: throughput and device memory.
+
+  python experiments/figures/depth.py --out_dir=figures   # a few minutes
+
+Predicted: a 7B-wide model (d=4096) from 28 to 180 layers on `h200`, batch 8 x 4096.
+Measured: a narrow model on this machine from 2 to 16 layers; the device peak stays
+flat because only a few layers are ever on the device.
+"""
+
+from __future__ import annotations
+
+from megatrain_jax import planner
+from megatrain_jax.engine import EngineConfig
+from megatrain_jax.figures import common as figures
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.optim import adamw
+
+
+def rows(quick: bool):
+  out = []
+  ec = EngineConfig(compute_dtype="bfloat16")
+  base = figures.PAPER_MODELS["7B"]
+  for layers in (28, 48, 64, 96, 128, 180):
+    cfg = base.replace(n_layers=layers)
+    p = planner.plan(cfg, adamw(1e-4), ec, planner.PROFILES["h200"], 8, 4096)
+    out.append({"source": "predicted", "layers": layers, "params_b": p.params / 1e9,
+                "tflops": p.model_tflops_per_s, "device_gb": p.device["total"] / 1e9,
+                "device_params_and_grads_gb": (p.device["params_in_flight"]
+                                               + p.device["gradients_in_flight"]) / 1e9,
+                "host_gb": p.host["total"] / 1e9})
+  small = LlamaConfig(vocab_size=260, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
+                      d_ff=384, max_seq_len=256)
+  for layers in ((2, 4) if quick else (2, 4, 8, 16)):
+    cfg = small.replace(n_layers=layers)
+    m = figures.measure_streaming(cfg, 8, 128, steps=1 if quick else 3)
+    out.append({"source": "measured", "layers": layers, "params_b": m["params"] / 1e9,
+                "step_time_per_layer_s": m["step_time_s"] / layers,
+                "tflops": m["model_tflops_per_s"],
+                "device_peak_mb": m["device_peak_bytes"] / 1e6})
+  return out
+
+
+def draw(axes, rs):
+  ax0, ax1 = axes
+  ax0.plot(*figures.points(rs, "layers", "tflops", source="predicted"), "o-",
+           label="predicted TFLOPS, h200")
+  ax0.plot([28, 180], [284, 227], "r*", markersize=10, label="paper: 284 -> 227 TFLOPS")
+  ax0.set_xlabel("layers (d_model 4096)")
+  ax0.set_ylabel("model TFLOPS")
+  ax0b = ax0.twinx()
+  ax0b.plot(*figures.points(rs, "layers", "device_gb", source="predicted"), "s--", color="g",
+            label="predicted device GB")
+  ax0b.set_ylabel("device GB")
+  ax0.legend(fontsize=7, loc="lower left")
+  ax0b.legend(fontsize=7, loc="lower right")
+  ax1.plot(*figures.points(rs, "layers", "device_peak_mb", source="measured"), "o-",
+           label="measured device peak (MB)")
+  ax1.set_xlabel("layers (d_model 128, this machine)")
+  ax1.set_ylabel("MB")
+  ax1.set_ylim(bottom=0)
+  ax1.legend(fontsize=7)
+
+
+TITLE = "Depth scaling at fixed width"
+PANELS = 2
+
+
+def make(out_dir: str, quick: bool = False):
+  """Writes depth.csv and depth.png under out_dir; returns their paths."""
+  return figures.write(out_dir, "depth", rows(quick), draw, TITLE, PANELS)

@@ -1,0 +1,70 @@
+"""Figure 1: host memory vs model size, with the paper's 1.5 TB line.
+
+  python experiments/figures/host_memory.py --out_dir=figures   # seconds
+
+Predicted: the planner's host bytes by kind (fp32 masters, AdamW moments, gradient
+buffers, bf16 pinned copies) for Llama-shaped models from 7B to 200B. Measured: the
+bytes the engine allocates on this machine for small presets (masters, optimizer state,
+streaming copies), beside the planner's count for the same configs.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
+from megatrain_jax.figures import common as figures
+from megatrain_jax.models.config import preset
+from megatrain_jax.optim import adamw
+
+LIMIT = 1.5e12
+
+
+def rows(quick: bool):
+  ec = EngineConfig(compute_dtype="bfloat16")
+  out = []
+  for name, cfg in figures.PAPER_MODELS.items():
+    h = memory.host_bytes(cfg, adamw(1e-4), ec)
+    out.append({"source": "predicted", "model": name, "params_b": cfg.param_count() / 1e9,
+                **{f"{k}_gb": v / 1e9 for k, v in h.items()}})
+  for name in (["tiny"] if quick else ["tiny", "small", "medium"]):
+    cfg = preset(name)
+    h = memory.host_bytes(cfg, adamw(1e-4), ec)
+    with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
+      allocated = (sum(m.nbytes for m in eng.host_opt.masters) + eng.host_opt.state_bytes()
+                   + sum(s.nbytes for s in eng._stream))
+    out.append({"source": "measured", "model": name, "params_b": cfg.param_count() / 1e9,
+                "total_gb": allocated / 1e9,
+                "planner_masters_state_copies_gb":
+                    (h["masters"] + h["optimizer_state"] + h["pinned_copies"]) / 1e9})
+  return out
+
+
+def draw(axes, rs):
+  ax0, ax1 = axes
+  x, y = figures.points(rs, "params_b", "total_gb", source="predicted")
+  ax0.plot(x, y, "o-", label="predicted total (planner)")
+  for kind in ("masters", "optimizer_state", "pinned_copies"):
+    ax0.plot(*figures.points(rs, "params_b", f"{kind}_gb", source="predicted"), ".--",
+             label=f"predicted {kind}")
+  ax0.axhline(LIMIT / 1e9, color="r", label="1.5 TB host (paper)")
+  ax0.set_xlabel("parameters (B)")
+  ax0.set_ylabel("host memory (GB)")
+  ax0.legend(fontsize=7)
+  x, y = figures.points(rs, "params_b", "total_gb", source="measured")
+  _, p = figures.points(rs, "params_b", "planner_masters_state_copies_gb", source="measured")
+  ax1.plot(x, y, "o", label="measured: allocated by the engine")
+  ax1.plot(x, p, "x", label="planner, same kinds")
+  ax1.set_xlabel("parameters (B)")
+  ax1.set_ylabel("GB")
+  ax1.legend(fontsize=7)
+  ax1.set_title("this machine", fontsize=9)
+
+
+TITLE = "Host memory vs model size (AdamW, fp32 masters, bf16 copies)"
+PANELS = 2
+
+
+def make(out_dir: str, quick: bool = False):
+  """Writes host_memory.csv and host_memory.png under out_dir; returns their paths."""
+  return figures.write(out_dir, "host_memory", rows(quick), draw, TITLE, PANELS)

@@ -1,0 +1,67 @@
+"""Figure 2: throughput (model TFLOPS) vs model size on H200 and GH200.
+
+  python experiments/figures/throughput.py --out_dir=figures   # about a minute
+
+Predicted: the planner at the largest batch that fits, capped at 64K tokens per step,
+bf16 compute, for 7B..200B on the `h200` and `gh200` profiles. Measured: model TFLOPS
+of the streaming engine on this machine for small presets.
+"""
+
+from __future__ import annotations
+
+from megatrain_jax import planner
+from megatrain_jax.engine import EngineConfig
+from megatrain_jax.figures import common as figures
+from megatrain_jax.models.config import preset
+from megatrain_jax.optim import adamw
+
+SEQ = 4096
+MAX_TOKENS = 65536
+
+
+def rows(quick: bool):
+  ec = EngineConfig(compute_dtype="bfloat16")
+  out = []
+  for hw_name in ("h200", "gh200"):
+    hw = planner.PROFILES[hw_name]
+    for name, cfg in figures.PAPER_MODELS.items():
+      b = min(planner.largest_batch(cfg, adamw(1e-4), ec, hw, SEQ), MAX_TOKENS // SEQ)
+      if b == 0:
+        continue
+      p = planner.plan(cfg, adamw(1e-4), ec, hw, b, SEQ)
+      out.append({"source": "predicted", "hardware": hw_name, "model": name,
+                  "params_b": cfg.param_count() / 1e9, "batch": b,
+                  "tflops": p.model_tflops_per_s, "bottleneck": p.bottleneck,
+                  "fits_host": p.fits})
+  for name in (["tiny"] if quick else ["tiny", "small", "medium"]):
+    cfg = preset(name)
+    m = figures.measure_streaming(cfg, 8, 128, steps=1 if quick else 3)
+    out.append({"source": "measured", "hardware": "this machine", "model": name,
+                "params_b": cfg.param_count() / 1e9, "batch": 8,
+                "tflops": m["model_tflops_per_s"]})
+  return out
+
+
+def draw(axes, rs):
+  ax0, ax1 = axes
+  for hw in ("h200", "gh200"):
+    ax0.plot(*figures.points(rs, "params_b", "tflops", source="predicted", hardware=hw),
+             "o-", label=f"predicted, {hw}")
+  ax0.plot([14.0], [264.0], "r*", markersize=12, label="paper: 264 TFLOPS, 14B, GH200")
+  ax0.set_xlabel("parameters (B)")
+  ax0.set_ylabel("model TFLOPS")
+  ax0.legend(fontsize=7)
+  ax1.plot(*figures.points(rs, "params_b", "tflops", source="measured"), "o-",
+           label="measured, this machine")
+  ax1.set_xlabel("parameters (B)")
+  ax1.set_ylabel("model TFLOPS")
+  ax1.legend(fontsize=7)
+
+
+TITLE = "Throughput vs model size"
+PANELS = 2
+
+
+def make(out_dir: str, quick: bool = False):
+  """Writes throughput.csv and throughput.png under out_dir; returns their paths."""
+  return figures.write(out_dir, "throughput", rows(quick), draw, TITLE, PANELS)

@@ -1,0 +1,64 @@
+"""Figure 4: width scaling at fixed depth.
+
+  python experiments/figures/width.py --out_dir=figures   # a few minutes
+
+Predicted: 32 layers, d_model 2048 to 12288 (d_ff = 2.6875 x d), on `h200` and `gh200`,
+batch 8 x 4096. Measured: 4 layers, d_model 64 to 256, on this machine.
+"""
+
+from __future__ import annotations
+
+from megatrain_jax import planner
+from megatrain_jax.engine import EngineConfig
+from megatrain_jax.figures import common as figures
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.optim import adamw
+
+
+def _cfg(d, layers, vocab=32000, seq=4096):
+  heads = max(d // 128, 2)
+  return LlamaConfig(vocab_size=vocab, d_model=d, n_layers=layers, n_heads=heads,
+                     n_kv_heads=max(heads // 4, 1), d_ff=int(2.6875 * d) // 64 * 64,
+                     max_seq_len=seq)
+
+
+def rows(quick: bool):
+  out = []
+  ec = EngineConfig(compute_dtype="bfloat16")
+  for hw in ("h200", "gh200"):
+    for d in (2048, 4096, 6144, 8192, 12288):
+      p = planner.plan(_cfg(d, 32), adamw(1e-4), ec, planner.PROFILES[hw], 8, 4096)
+      out.append({"source": "predicted", "hardware": hw, "d_model": d,
+                  "params_b": p.params / 1e9, "tflops": p.model_tflops_per_s,
+                  "bottleneck": p.bottleneck, "device_gb": p.device["total"] / 1e9})
+  for d in ((64,) if quick else (64, 128, 192, 256)):
+    m = figures.measure_streaming(_cfg(d, 4, vocab=260, seq=256), 8, 128,
+                                  steps=1 if quick else 3)
+    out.append({"source": "measured", "hardware": "this machine", "d_model": d,
+                "params_b": m["params"] / 1e9, "tflops": m["model_tflops_per_s"],
+                "device_peak_mb": m["device_peak_bytes"] / 1e6})
+  return out
+
+
+def draw(axes, rs):
+  ax0, ax1 = axes
+  for hw in ("h200", "gh200"):
+    ax0.plot(*figures.points(rs, "d_model", "tflops", source="predicted", hardware=hw), "o-",
+             label=f"predicted, {hw}")
+  ax0.set_xlabel("d_model (32 layers)")
+  ax0.set_ylabel("model TFLOPS")
+  ax0.legend(fontsize=7)
+  ax1.plot(*figures.points(rs, "d_model", "tflops", source="measured"), "o-",
+           label="measured, this machine")
+  ax1.set_xlabel("d_model (4 layers)")
+  ax1.set_ylabel("model TFLOPS")
+  ax1.legend(fontsize=7)
+
+
+TITLE = "Width scaling at fixed depth"
+PANELS = 2
+
+
+def make(out_dir: str, quick: bool = False):
+  """Writes width.csv and width.png under out_dir; returns their paths."""
+  return figures.write(out_dir, "width", rows(quick), draw, TITLE, PANELS)

@@ -1,0 +1,140 @@
+"""The planner: memory arithmetic by hand, prediction against measurement, the figures."""
+
+import csv
+import dataclasses
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+import megatrain_jax as mt
+from megatrain_jax import figures, planner
+from megatrain_jax import train as train_lib
+from megatrain_jax.benchmark import median_times, synthetic_batch
+from megatrain_jax.engine import memory
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ADAMW = mt.optim.adamw(1e-4)
+
+
+def test_7b_memory_by_hand():
+  cfg = mt.preset("7b")
+  ec = mt.EngineConfig(compute_dtype="bfloat16")
+  p = planner.plan(cfg, ADAMW, ec, planner.PROFILES["h200"], 8, 4096)
+  n = 6_738_415_616  # Llama-2-7B: 32 x 202,383,360 + 2 x 32000 x 4096 + 4096
+  assert p.params == n
+  block = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
+  assert memory.unit_sizes(cfg)[1] == block
+  assert p.host["masters"] == 4 * n
+  assert p.host["optimizer_state"] == 8 * n + 34 * 4  # two fp32 moments, a count per unit
+  assert p.host["pinned_copies"] == 2 * (n + block)  # + the largest unit being replaced
+  act = 8 * 4096 * 4096 * 2
+  assert p.device["activation_checkpoints"] == 32 * act
+  assert p.device["params_in_flight"] == 3 * 2 * block  # 3 slots of the largest unit
+  # Bytes per step: every block twice, embedding and head once; gradients once.
+  b = planner.step_bytes(cfg, ec)
+  assert b["h2d"] == 2 * (2 * 32 * block + 32000 * 4096 + 32000 * 4096 + 4096)
+  assert b["d2h"] == 2 * (n - 32000 * 4096) + 4 * 32000 * 4096
+
+
+def test_step_time_is_the_slowest_resource_plus_what_cannot_overlap():
+  cfg, ec = mt.preset("7b"), mt.EngineConfig(compute_dtype="bfloat16")
+  # A host fast enough that the PCIe link, not the optimizer, limits small steps.
+  hw = dataclasses.replace(planner.PROFILES["h100_pcie"], host_opt_bytes_per_s=1e13)
+  p = planner.plan(cfg, ADAMW, ec, hw, 1, 2048)
+  t = p.times
+  assert p.bottleneck == "h2d" and t["h2d"] > t["compute"]
+  assert p.step_s == pytest.approx(max(t["compute"], t["h2d"], t["d2h"], t["host_opt"])
+                                   + t["not_overlapped"])
+  # At the break-even tokens per step, compute takes as long as the transfers.
+  tokens = p.break_even_tokens
+  per_token = t["compute"] / (1 * 2048)
+  assert per_token * tokens == pytest.approx(t["h2d"])
+  big = planner.plan(cfg, ADAMW, ec, hw, 16, 2048)
+  assert big.bottleneck == "compute" and 16 * 2048 > tokens
+  no_prefetch = planner.plan(cfg, ADAMW, dataclasses.replace(ec, prefetch_depth=0), hw, 16,
+                             2048)
+  assert no_prefetch.step_s > big.step_s
+
+
+def test_largest_batch_is_the_edge_of_the_device():
+  cfg, ec = mt.preset("7b"), mt.EngineConfig(compute_dtype="bfloat16", grad_accum=2)
+  hw = planner.PROFILES["rtx3090"]
+  b = planner.largest_batch(cfg, ADAMW, ec, hw, 2048)
+  assert b > 0 and b % 2 == 0
+  assert planner.device_total(cfg, ec, hw, b, 2048)["total"] <= hw.device_bytes
+  assert planner.device_total(cfg, ec, hw, b + 2, 2048)["total"] > hw.device_bytes
+
+
+CONFIGS = [
+    (mt.LlamaConfig(vocab_size=260, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                    d_ff=384, max_seq_len=512), 8, 128),
+    (mt.LlamaConfig(vocab_size=1024, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
+                    d_ff=768, max_seq_len=512), 4, 256),
+    (mt.LlamaConfig(vocab_size=512, d_model=384, n_layers=3, n_heads=6, n_kv_heads=6,
+                    d_ff=1024, max_seq_len=512), 2, 512),
+]
+
+
+def test_prediction_matches_the_engine_on_this_machine():
+  """measured profile: step time within 30%, device peak within 15%, three shapes."""
+  hw = planner.measure_hardware(quick=True)
+  for cfg, b, t in CONFIGS:
+    ec = mt.EngineConfig()
+    p = planner.plan(cfg, ADAMW, ec, hw, b, t)
+    with mt.StreamingTrainer.from_config(cfg, ADAMW, ec, jax.random.key(0)) as eng:
+      batch = synthetic_batch(cfg, b, t)
+      measured = median_times({"step": lambda: eng.step(batch)}, 1, 3)["step"]
+      peak = eng.stats()["device_peak_bytes"]
+    assert 0.7 <= p.step_s / measured <= 1.3, (cfg, p.step_s, measured, p.times)
+    assert 0.85 <= p.device_peak / peak <= 1.15, (cfg, p.device_peak, peak)
+
+
+def test_plan_script_prints_the_table():
+  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "plan.py"),
+                      "--model=7b", "--hardware=gh200", "--batch_size=auto", "--seq_len=4096"],
+                     capture_output=True, text=True, timeout=120, cwd=REPO)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "largest batch that fits" in r.stdout and "bottleneck" in r.stdout
+  assert "break-even tokens/step" in r.stdout
+
+
+def test_auto_batch_size_fills_the_budget(tmp_path):
+  cfg = mt.preset("tiny")
+  budget = 8 * 2**20
+  tc = train_lib.TrainConfig(workdir=str(tmp_path), steps=1, batch_size="auto", seq_len=64,
+                             device_budget_bytes=budget, max_data_bytes=400_000,
+                             save_every=0, progress=False)
+  b = train_lib.auto_batch_size(tc, cfg)
+  ec = tc.engine_config()
+  hw = dataclasses.replace(planner.PROFILES["h200"], device_bytes=budget,
+                           flash_attention=False)
+  assert planner.device_total(cfg, ec, hw, b, 64)["total"] <= budget
+  assert planner.device_total(cfg, ec, hw, b + 1, 64)["total"] > budget
+  assert train_lib.run(tc)[0]["step"] == 1  # and the run goes through under the budget
+
+
+@pytest.mark.parametrize("name", sorted(figures.FIGURES))
+def test_figure_quick(tmp_path, name):
+  csv_path, png_path = figures.FIGURES[name].make(str(tmp_path), quick=True)
+  assert os.path.getsize(png_path) > 5000
+  with open(csv_path) as f:
+    rows = list(csv.DictReader(f))
+  sources = {r["source"] for r in rows}
+  assert "measured" in sources
+  if name != "convergence":
+    assert "predicted" in sources
+
+
+def test_figure_script_runs(tmp_path):
+  r = subprocess.run([sys.executable, os.path.join(REPO, "experiments", "figures",
+                                                   "host_memory.py"),
+                      f"--out_dir={tmp_path}", "--quick"],
+                     capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert (tmp_path / "host_memory.png").exists() and (tmp_path / "host_memory.csv").exists()
+  scripts = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "experiments", "figures"))
+                   if f.endswith(".py"))
+  assert scripts == sorted(figures.FIGURES)
