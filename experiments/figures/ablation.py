@@ -8,19 +8,7 @@ depths for 14B on `h200` at 8 x 4096 tokens and at 1 x 1024 tokens (link-bound).
 The paper lost 31% without double buffering.
 """
 
-from absl import app, flags
-
-from megatrain_jax.figures import ablation
-
-flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
-flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  del argv
-  ablation.make(FLAGS.out_dir, FLAGS.quick)
-
+from megatrain_jax.figures import common
 
 if __name__ == "__main__":
-  app.run(main)
+  common.run_script("ablation")

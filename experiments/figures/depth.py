@@ -7,19 +7,7 @@ Measured: a narrow model on this machine from 2 to 16 layers; the device peak st
 flat because only a few layers are ever on the device.
 """
 
-from absl import app, flags
-
-from megatrain_jax.figures import depth
-
-flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
-flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  del argv
-  depth.make(FLAGS.out_dir, FLAGS.quick)
-
+from megatrain_jax.figures import common
 
 if __name__ == "__main__":
-  app.run(main)
+  common.run_script("depth")

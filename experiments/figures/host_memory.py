@@ -8,19 +8,7 @@ bytes the engine allocates on this machine for small presets (masters, optimizer
 streaming copies), beside the planner's count for the same configs.
 """
 
-from absl import app, flags
-
-from megatrain_jax.figures import host_memory
-
-flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
-flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  del argv
-  host_memory.make(FLAGS.out_dir, FLAGS.quick)
-
+from megatrain_jax.figures import common
 
 if __name__ == "__main__":
-  app.run(main)
+  common.run_script("host_memory")

@@ -8,19 +8,7 @@ nothing fits, the row says so. Measured: a tiny model on this machine from 64 to
 tokens at a fixed 4K tokens per step.
 """
 
-from absl import app, flags
-
-from megatrain_jax.figures import seqlen
-
-flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
-flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  del argv
-  seqlen.make(FLAGS.out_dir, FLAGS.quick)
-
+from megatrain_jax.figures import common
 
 if __name__ == "__main__":
-  app.run(main)
+  common.run_script("seqlen")

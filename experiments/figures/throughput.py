@@ -7,19 +7,7 @@ bf16 compute, for 7B..200B on the `h200` and `gh200` profiles. Measured: model T
 of the streaming engine on this machine for small presets.
 """
 
-from absl import app, flags
-
-from megatrain_jax.figures import throughput
-
-flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
-flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  del argv
-  throughput.make(FLAGS.out_dir, FLAGS.quick)
-
+from megatrain_jax.figures import common
 
 if __name__ == "__main__":
-  app.run(main)
+  common.run_script("throughput")

@@ -6,19 +6,7 @@ Predicted: 32 layers, d_model 2048 to 12288 (d_ff = 2.6875 x d), on `h200` and `
 batch 8 x 4096. Measured: 4 layers, d_model 64 to 256, on this machine.
 """
 
-from absl import app, flags
-
-from megatrain_jax.figures import width
-
-flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
-flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
-FLAGS = flags.FLAGS
-
-
-def main(argv):
-  del argv
-  width.make(FLAGS.out_dir, FLAGS.quick)
-
+from megatrain_jax.figures import common
 
 if __name__ == "__main__":
-  app.run(main)
+  common.run_script("width")

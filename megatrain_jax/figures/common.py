@@ -15,7 +15,7 @@ import time
 from typing import Any, Callable, Sequence
 
 import jax
-import numpy as np
+from absl import logging
 
 from megatrain_jax.benchmark import synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
@@ -27,15 +27,15 @@ from megatrain_jax.optim import adamw
 PAPER_MODELS: dict[str, LlamaConfig] = {
     "7B": LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
                       d_ff=11008, max_seq_len=4096),
-    "14B": LlamaConfig(vocab_size=32000, d_model=5120, n_layers=40, n_heads=40, n_kv_heads=8,
+    "14B": LlamaConfig(vocab_size=32000, d_model=5120, n_layers=48, n_heads=40, n_kv_heads=8,
                        d_ff=13824, max_seq_len=4096),
-    "32B": LlamaConfig(vocab_size=32000, d_model=6656, n_layers=60, n_heads=52, n_kv_heads=4,
-                       d_ff=17920, max_seq_len=4096),
+    "32B": LlamaConfig(vocab_size=32000, d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8,
+                       d_ff=27648, max_seq_len=4096),
     "70B": LlamaConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
                        d_ff=28672, max_seq_len=4096),
-    "120B": LlamaConfig(vocab_size=32000, d_model=10240, n_layers=96, n_heads=80, n_kv_heads=8,
-                        d_ff=28672, max_seq_len=4096),
-    "200B": LlamaConfig(vocab_size=32000, d_model=12288, n_layers=112, n_heads=96,
+    "120B": LlamaConfig(vocab_size=32000, d_model=10240, n_layers=88, n_heads=80, n_kv_heads=8,
+                        d_ff=36864, max_seq_len=4096),
+    "200B": LlamaConfig(vocab_size=32000, d_model=12288, n_layers=118, n_heads=96,
                         n_kv_heads=8, d_ff=36864, max_seq_len=4096),
 }
 
@@ -91,3 +91,36 @@ def points(rows, x: str, y: str, **match) -> tuple[list, list]:
   sel = [r for r in rows if all(r.get(k) == v for k, v in match.items())
          and r.get(y) is not None]
   return [r[x] for r in sel], [r[y] for r in sel]
+
+
+def draw_tflops(axes, rows, x: str, xlabels: tuple[str, str], paper=None) -> None:
+  """Left: predicted model TFLOPS on h200 and gh200 (and a paper point); right: measured."""
+  ax0, ax1 = axes
+  for hw in ("h200", "gh200"):
+    ax0.plot(*points(rows, x, "tflops", source="predicted", hardware=hw), "o-",
+             label=f"predicted, {hw}")
+  if paper is not None:
+    (px, py), label = paper
+    ax0.plot([px], [py], "r*", markersize=12, label=label)
+  ax1.plot(*points(rows, x, "tflops", source="measured"), "o-", label="measured, this machine")
+  for ax, xlabel in zip(axes, xlabels):
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("model TFLOPS")
+    ax.legend(fontsize=7)
+
+
+def run_script(name: str) -> None:
+  """The body of `experiments/figures/<name>.py`: --out_dir and --quick, then make()."""
+  from absl import app, flags  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import figures as figures_lib  # pylint: disable=import-outside-toplevel
+
+  flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
+  flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
+
+  def main(argv):
+    del argv
+    csv_path, png_path = figures_lib.FIGURES[name].make(flags.FLAGS.out_dir,
+                                                        flags.FLAGS.quick)
+    logging.info("Wrote %s and %s.", csv_path, png_path)
+
+  app.run(main)

@@ -43,19 +43,7 @@ def rows(quick: bool):
 
 
 def draw(axes, rs):
-  ax0, ax1 = axes
-  for hw in ("h200", "gh200"):
-    ax0.plot(*figures.points(rs, "params_b", "tflops", source="predicted", hardware=hw),
-             "o-", label=f"predicted, {hw}")
-  ax0.plot([14.0], [264.0], "r*", markersize=12, label="paper: 264 TFLOPS, 14B, GH200")
-  ax0.set_xlabel("parameters (B)")
-  ax0.set_ylabel("model TFLOPS")
-  ax0.legend(fontsize=7)
-  ax1.plot(*figures.points(rs, "params_b", "tflops", source="measured"), "o-",
-           label="measured, this machine")
-  ax1.set_xlabel("parameters (B)")
-  ax1.set_ylabel("model TFLOPS")
-  ax1.legend(fontsize=7)
+  figures.draw_tflops(axes, rs, "params_b", ("parameters (B)", "parameters (B)"), paper=((14.0, 264.0), "paper: 264 TFLOPS, 14B, GH200"))
 
 
 TITLE = "Throughput vs model size"

@@ -41,18 +41,7 @@ def rows(quick: bool):
 
 
 def draw(axes, rs):
-  ax0, ax1 = axes
-  for hw in ("h200", "gh200"):
-    ax0.plot(*figures.points(rs, "d_model", "tflops", source="predicted", hardware=hw), "o-",
-             label=f"predicted, {hw}")
-  ax0.set_xlabel("d_model (32 layers)")
-  ax0.set_ylabel("model TFLOPS")
-  ax0.legend(fontsize=7)
-  ax1.plot(*figures.points(rs, "d_model", "tflops", source="measured"), "o-",
-           label="measured, this machine")
-  ax1.set_xlabel("d_model (4 layers)")
-  ax1.set_ylabel("model TFLOPS")
-  ax1.legend(fontsize=7)
+  figures.draw_tflops(axes, rs, "d_model", ("d_model (32 layers)", "d_model (4 layers)"), paper=None)
 
 
 TITLE = "Width scaling at fixed depth"
