@@ -188,7 +188,9 @@ def load_units(local_dir: str, cfg: LlamaConfig | None = None) -> Iterator[Param
   tensors = _Tensors(local_dir)
   expected = _unit_names(cfg)
   known = {n for names in expected for n in names}
-  extra = sorted(n for n in tensors.where if n not in known
+  # Some tied checkpoints store lm_head.weight anyway (a copy of the embedding).
+  ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  extra = sorted(n for n in tensors.where if n not in known and n not in ignorable
                  and not n.endswith("rotary_emb.inv_freq"))
   if extra:
     raise ValueError(f"The checkpoint holds tensors this model does not use: {extra[:5]}"
