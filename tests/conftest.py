@@ -12,11 +12,15 @@ import tempfile
 
 jax.config.update("jax_default_matmul_precision", "highest")
 # Many tests build trainers for the same tiny shapes; a persistent compilation cache
-# lets them share XLA executables across jit objects within one pytest run.
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(tempfile.gettempdir(), "megatrain_jax_test_cache"))
+# lets them share XLA executables across jit objects within one pytest run, and
+# (through the environment) with the launcher subprocesses the tests start.
+_CACHE_DIR = os.path.join(tempfile.gettempdir(), "megatrain_jax_test_cache")
+jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    d_ff=64, max_seq_len=32)

@@ -203,14 +203,14 @@ def test_write_failure_surfaces_in_the_caller(tmp_path, monkeypatch):
 
 # --- The launcher, killed and rerun ------------------------------------------
 
-ARGS = ["--steps=40", "--batch_size=4", "--seq_len=32", "--save_every=10", "--log_every=1",
+ARGS = ["--steps=30", "--batch_size=4", "--seq_len=32", "--save_every=10", "--log_every=1",
         "--max_data_bytes=100000", "--lr=1e-3", "--warmup_steps=4"]
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("uninterrupted")
-  tc = train_lib.TrainConfig(workdir=str(workdir), steps=40, batch_size=4, seq_len=32,
+  tc = train_lib.TrainConfig(workdir=str(workdir), steps=30, batch_size=4, seq_len=32,
                              save_every=10, log_every=1, max_data_bytes=100_000, lr=1e-3,
                              warmup_steps=4, progress=False)
   return {r["step"]: r["loss"] for r in train_lib.run(tc)}
@@ -245,7 +245,7 @@ def _rerun_and_compare(workdir, uninterrupted, resumed_from):
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"Resumed from step {resumed_from} " in r.stderr
   got = {rec["step"]: rec["loss"] for rec in read_metrics(os.path.join(workdir, "metrics.jsonl"))}
-  assert sorted(got) == list(range(1, 41))
+  assert sorted(got) == list(range(1, 31))
   after = [s for s in got if s > resumed_from]
   assert [got[s] for s in after] == [uninterrupted[s] for s in after]  # bitwise
   assert not [d for d in os.listdir(os.path.join(workdir, "checkpoints")) if "partial" in d]
@@ -279,7 +279,7 @@ def test_sigkill_between_saves_then_resume(tmp_path, uninterrupted):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
   killed_at = _logged_steps(tmp_path)[-1]
-  assert killed_at < 40
+  assert killed_at < 30
   latest = max(int(d.split("_")[1]) for d in os.listdir(ckpts) if "partial" not in d)
   assert latest <= killed_at
   _rerun_and_compare(tmp_path, uninterrupted, resumed_from=latest)
