@@ -173,6 +173,11 @@ class _Tensors:
                               "model.safetensors.index.json.")
     self._files: dict[str, Any] = {}
 
+  def close(self) -> None:
+    for f in self._files.values():
+      f.__exit__(None, None, None)
+    self._files.clear()
+
   def get(self, name: str) -> np.ndarray:
     if name not in self.where:
       raise KeyError(f"The checkpoint has no tensor {name!r}.")
@@ -195,12 +200,15 @@ def load_units(local_dir: str, cfg: LlamaConfig | None = None) -> Iterator[Param
   if extra:
     raise ValueError(f"The checkpoint holds tensors this model does not use: {extra[:5]}"
                      f"{' ...' if len(extra) > 5 else ''}; is config.json the right one?")
-  for names in expected:
-    tree: dict = {}
-    for name, (path, transpose) in names.items():
-      x = np.asarray(tensors.get(name), np.float32)
-      _set(tree, path, np.ascontiguousarray(x.T) if transpose else x)
-    yield tree
+  try:
+    for names in expected:
+      tree: dict = {}
+      for name, (path, transpose) in names.items():
+        x = np.asarray(tensors.get(name), np.float32)
+        _set(tree, path, np.ascontiguousarray(x.T) if transpose else x)
+      yield tree
+  finally:
+    tensors.close()
 
 
 def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Llama]:

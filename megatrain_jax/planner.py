@@ -23,8 +23,6 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -415,12 +413,3 @@ def config_from_hf_json(path: str) -> LlamaConfig:
   from megatrain_jax import hf  # pylint: disable=import-outside-toplevel
   with open(path, encoding="utf-8") as f:
     return hf.config_from_hf(json.load(f))[0]
-
-
-def summary(p: Plan) -> dict[str, Any]:
-  """A flat dict of the plan (for CSV rows)."""
-  out = {k: v for k, v in dataclasses.asdict(p).items() if not isinstance(v, dict)}
-  out.update({f"host_{k}": v for k, v in p.host.items()})
-  out.update({f"device_{k}": v for k, v in p.device.items()})
-  out.update({f"time_{k}": v for k, v in p.times.items()})
-  return out
