@@ -89,13 +89,13 @@ def main(argv):
   logging.info("link: %s", out)
   fits = TINY if quick else FITS
   suite = benchmark.Suite(model=fits, batch_size=2 if quick else 4,
-                          seq_len=64 if quick else 4096, warmup=1, reps=2 if quick else 3)
+                          seq_len=64 if quick else 4096, warmup=1, reps=1 if quick else 3)
   ratios = benchmark.step_ratios(suite)
   out.update({f"fits_{k}": v for k, v in ratios.items()})
   logging.info("streaming / resident: %.3f", ratios["stream_over_resident_remat"])
   big = TINY if quick else BIG
   out.update(largest_model(big, 2 if quick else 4, 64 if quick else 4096,
-                           2 if quick else 3, FLAGS.peak_tflops))
+                           1 if quick else 3, FLAGS.peak_tflops))
   with open(FLAGS.out, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=2, sort_keys=True, default=str)
   logging.info("Wrote %s", FLAGS.out)

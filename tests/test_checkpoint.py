@@ -253,7 +253,7 @@ def _rerun_and_compare(workdir, uninterrupted, resumed_from):
 
 def test_sigkill_while_saving_then_resume(tmp_path, uninterrupted):
   ckpts = tmp_path / "checkpoints"
-  proc = _start(tmp_path, {ckpt_lib.WRITE_DELAY_ENV: "0.3"})
+  proc = _start(tmp_path, {ckpt_lib.WRITE_DELAY_ENV: "0.15"})
   try:
     # The save at step 20 starts once the one at step 10 is complete.
     _wait_for(lambda: (ckpts / "step_00000020.partial" / "head").exists(), proc)

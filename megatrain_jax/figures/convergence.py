@@ -16,9 +16,9 @@ def rows(quick: bool, out_dir: str):
   out = []
   for engine in ("streaming", "resident"):
     tc = train_lib.TrainConfig(workdir=f"{out_dir}/convergence_{engine}", engine=engine,
-                               steps=5 if quick else 200, log_every=1, save_every=0,
+                               steps=3 if quick else 200, log_every=1, save_every=0,
                                batch_size=4 if quick else 16, seq_len=32 if quick else 128,
-                               max_data_bytes=50_000 if quick else 4_000_000, progress=False)
+                               max_data_bytes=20_000 if quick else 4_000_000, progress=False)
     out += [{"source": "measured", "engine": engine, "step": r["step"], "loss": r["loss"]}
             for r in train_lib.run(tc)]
   return out
