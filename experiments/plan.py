@@ -40,7 +40,7 @@ def main(argv):
                     compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum)
   opt = adamw(1e-4)
   if FLAGS.batch_size == "auto":
-    batch = planner.largest_batch(cfg, opt, ec, hw, FLAGS.seq_len)
+    batch = planner.largest_batch(cfg, ec, hw.device_bytes, FLAGS.seq_len, hw.flash_attention)
     if batch == 0:
       raise app.UsageError(f"Not even one sequence of {FLAGS.seq_len} tokens fits {hw.name}.")
   else:

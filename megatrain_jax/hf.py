@@ -288,20 +288,24 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
   config = hf_config(cfg, architecture, extra_config)
   written: list[list[str]] = []  # tensor names of each full shard on disk
   current: dict[str, np.ndarray] = {}
+  size = 0
 
   def flush():
+    nonlocal size
     save_file(current, os.path.join(out_dir, f"shard-{len(written):05d}.tmp"),
               metadata={"format": "pt"})
     written.append(list(current))
     current.clear()
+    size = 0
 
   for names, tree in zip(_unit_names(cfg), _unit_trees(model_or_trainer), strict=True):
     for name, (path, transpose) in names.items():
       x = np.asarray(_get(tree, path), np.float32)
       x = np.ascontiguousarray(x.T) if transpose else x
-      if current and sum(v.nbytes for v in current.values()) + x.nbytes > max_shard_bytes:
+      if current and size + x.nbytes > max_shard_bytes:
         flush()
       current[name] = x
+      size += x.nbytes
   if not written:
     save_file(current, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
   else:

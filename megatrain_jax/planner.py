@@ -230,11 +230,8 @@ def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> int:
   slots = memory.prefetch_slots(cfg, ec)
   streamed = (lambda u: True) if ec.stream_embed_head else (lambda u: u not in (0, head))
   resident = 0 if ec.stream_embed_head else unit[0] + unit[head]
-  groups = [(s, min(s + c, L)) for s in range(0, L, c)]
-  order = [0] + list(range(1, L + 1)) + [head] + ([0] if cfg.tie_embeddings else [])
-  for s, e in reversed(groups):
-    order += [1 + i for i in range(s, e)]
-  order = [u for u in order if streamed(u)]
+  groups = memory.checkpoint_groups(cfg, ec)
+  order = memory.schedule(cfg, ec)
   pos_of = {}
   for p, u in enumerate(order):
     pos_of.setdefault(u, []).append(p)
@@ -276,10 +273,11 @@ def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
   return out
 
 
-def device_total(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, int]:
+def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool = True
+                 ) -> dict[str, int]:
   """`engine.memory.device_bytes` plus the workspace of one layer, by kind."""
   dev = dict(memory.device_bytes(cfg, ec, batch_size, seq_len))
-  dev["workspace"] = workspace_bytes(cfg, ec, batch_size, seq_len, hw.flash_attention)
+  dev["workspace"] = workspace_bytes(cfg, ec, batch_size, seq_len, flash_attention)
   dev["total"] += dev["workspace"]
   return dev
 
@@ -356,9 +354,12 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
   }
 
 
-def largest_batch(cfg, optimizer, ec, hw: Hardware, seq_len: int, limit: int = 1 << 16) -> int:
-  """The largest batch (a multiple of grad_accum) whose device bytes fit `hw`."""
-  fits = lambda b: device_total(cfg, ec, hw, b, seq_len)["total"] <= hw.device_bytes
+def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: bool = True,
+                  limit: int = 1 << 16) -> int:
+  """The largest batch (a multiple of grad_accum) whose device bytes, workspace
+  included, fit in `device_bytes`; 0 when not even one micro-batch fits."""
+  fits = lambda b: (device_total(cfg, ec, b, seq_len, flash_attention)["total"]
+                    <= device_bytes)
   step = ec.grad_accum
   if not fits(step):
     return 0
@@ -375,7 +376,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
          batch_size: int, seq_len: int) -> Plan:
   """Memory and step time of a streaming run on `hw` (see the module docstring)."""
   host = memory.host_bytes(cfg, optimizer, ec)
-  dev = device_total(cfg, ec, hw, batch_size, seq_len)
+  dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
   t = _times(cfg, ec, hw, batch_size, seq_len)
   sizes = memory.unit_sizes(cfg)
   cd = jnp.dtype(ec.compute_dtype).itemsize
@@ -401,7 +402,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
       hardware=hw.name, batch_size=batch_size, seq_len=seq_len, params=sum(sizes),
       host=host, device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
       fits=host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes,
-      largest_batch=largest_batch(cfg, optimizer, ec, hw, seq_len),
+      largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention),
       times=t, step_s=step, bottleneck=bottleneck, break_even_tokens=break_even,
       tokens_per_s=tokens / step, model_tflops_per_s=model_flops / step / TB,
       mfu=model_flops / step / hw.peak_flops)

@@ -164,9 +164,8 @@ def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
   if limit is None:
     host = memory.host_bytes(cfg, make_optimizer(tc), ec)["total"]
     limit = (tc.host_memory_limit_bytes or memory.available_host_bytes()) - host
-  hw = dataclasses.replace(planner.PROFILES["h200"], device_bytes=max(limit, 0),
-                           flash_attention=jax.devices()[0].platform != "cpu")
-  batch = planner.largest_batch(cfg, make_optimizer(tc), ec, hw, tc.seq_len)
+  batch = planner.largest_batch(cfg, ec, max(limit, 0), tc.seq_len,
+                                flash_attention=jax.devices()[0].platform != "cpu")
   if batch == 0:
     raise ValueError(f"Not even one sequence of {tc.seq_len} tokens fits in "
                      f"{limit / 2**30:.2f} GiB of device memory; shorten --seq_len.")

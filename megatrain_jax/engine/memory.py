@@ -52,6 +52,24 @@ def unit_sizes(cfg: LlamaConfig) -> list[int]:
   return list(_sizes(cfg))
 
 
+def checkpoint_groups(cfg: LlamaConfig, ec) -> list[tuple[int, int]]:
+  """Layer ranges [start, end) whose input is an activation checkpoint."""
+  c, n = ec.checkpoint_every, cfg.n_layers
+  return [(s, min(s + c, n)) for s in range(0, n, c)]
+
+
+def schedule(cfg: LlamaConfig, ec) -> list[int]:
+  """Units in the order one micro-batch fetches them (0 = embed, 1..L = blocks,
+  L + 1 = head): the forward, the head (with the tied embedding), then the
+  backward's checkpoint groups from the top. Resident units are not fetched."""
+  head = cfg.n_layers + 1
+  streamed = lambda u: ec.stream_embed_head or u not in (0, head)
+  order = [0] + list(range(1, head)) + [head] + ([0] if cfg.tie_embeddings else [])
+  for s, e in reversed(checkpoint_groups(cfg, ec)):
+    order += [1 + i for i in range(s, e)]
+  return [u for u in order if streamed(u)]
+
+
 def prefetch_slots(cfg: LlamaConfig, ec) -> int:
   """Parameter buffers in flight at once: the held ones plus the prefetched."""
   hold = max(ec.checkpoint_every, 2 if cfg.tie_embeddings and ec.stream_embed_head else 1)

@@ -400,22 +400,6 @@ class StreamingTrainer:
   # The step.
   # --------------------------------------------------------------------------
 
-  def _groups(self) -> list[tuple[int, int]]:
-    c, L = self.config.checkpoint_every, self.cfg.n_layers
-    return [(s, min(s + c, L)) for s in range(0, L, c)]
-
-  def _schedule(self) -> list[int]:
-    streamed = lambda u: u not in self._resident
-    order = [self.EMBED] if streamed(self.EMBED) else []
-    order += list(range(1, self.cfg.n_layers + 1))
-    if streamed(self.HEAD):
-      order.append(self.HEAD)
-    if self._tied and streamed(self.EMBED):
-      order.append(self.EMBED)
-    for s, e in reversed(self._groups()):
-      order += [1 + i for i in range(s, e)]
-    return order
-
   def _micro_step(self, batch, scale, last: bool):
     """Forward, head and backward of one micro-batch; returns its loss sum."""
     L, ledger, tp = self.cfg.n_layers, self.ledger, self.transport
@@ -423,7 +407,7 @@ class StreamingTrainer:
     labels = tp.to_device(batch["labels"])
     mask = tp.to_device(batch["loss_mask"])
     self._stats["h2d_bytes"] += ids.nbytes + labels.nbytes + mask.nbytes
-    self.prefetcher.start(self._schedule())
+    self.prefetcher.start(memory.schedule(self.cfg, self.config))
 
     p, key = self._get(self.EMBED)
     x = self._embed_fwd(p, ids)
@@ -448,7 +432,7 @@ class StreamingTrainer:
     self._loss_parts.append(loss_sum)  # before any gradient: updates wait for it
     self._send_grad(self.HEAD, g_h, last)
 
-    for s, e in reversed(self._groups()):
+    for s, e in reversed(memory.checkpoint_groups(self.cfg, self.config)):
       params = [self._get(1 + i) for i in range(s, e)]
       xs = [ckpts.pop(s)]
       for j, i in enumerate(range(s, e - 1)):

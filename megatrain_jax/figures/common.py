@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import csv
 import os
-import statistics
-import time
 from typing import Any, Callable, Sequence
 
 import jax
 from absl import logging
 
-from megatrain_jax.benchmark import synthetic_batch
+from megatrain_jax.benchmark import median_times, synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
@@ -71,14 +69,8 @@ def measure_streaming(cfg: LlamaConfig, batch_size: int, seq_len: int,
   ec = ec or EngineConfig()
   batch = synthetic_batch(cfg, batch_size, seq_len)
   with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
-    eng.step(batch)
-    times = []
-    for _ in range(steps):
-      t0 = time.perf_counter()
-      eng.step(batch)
-      times.append(time.perf_counter() - t0)
+    t = median_times({"step": lambda: eng.step(batch)}, 1, steps)["step"]
     st = eng.stats()
-  t = statistics.median(times)
   tokens = batch_size * seq_len
   return {"step_time_s": t, "device_peak_bytes": st["device_peak_bytes"],
           "tokens_per_s": tokens / t,

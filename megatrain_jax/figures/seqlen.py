@@ -27,7 +27,7 @@ def rows(quick: bool):
     row = {"source": "predicted", "seq_len": seq, "fits": False}
     for every in (1, 2, 4, 8, 16, 32):
       ec = EngineConfig(compute_dtype="bfloat16", checkpoint_every=every)
-      b = planner.largest_batch(cfg, adamw(1e-4), ec, hw, seq)
+      b = planner.largest_batch(cfg, ec, hw.device_bytes, seq, hw.flash_attention)
       if b:
         p = planner.plan(cfg, adamw(1e-4), ec, hw, b, seq)
         row.update(fits=True, checkpoint_every=every, batch=b, step_time_s=p.step_s,

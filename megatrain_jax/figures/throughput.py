@@ -25,7 +25,8 @@ def rows(quick: bool):
   for hw_name in ("h200", "gh200"):
     hw = planner.PROFILES[hw_name]
     for name, cfg in figures.PAPER_MODELS.items():
-      b = min(planner.largest_batch(cfg, adamw(1e-4), ec, hw, SEQ), MAX_TOKENS // SEQ)
+      b = min(planner.largest_batch(cfg, ec, hw.device_bytes, SEQ, hw.flash_attention),
+              MAX_TOKENS // SEQ)
       if b == 0:
         continue
       p = planner.plan(cfg, adamw(1e-4), ec, hw, b, SEQ)
