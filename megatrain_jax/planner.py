@@ -130,11 +130,13 @@ def _median_time(fn, reps: int) -> float:
   return float(np.median(times))
 
 
-def measure_hardware(quick: bool = False, dtype=jnp.float32) -> Hardware:
+def measure_hardware(quick: bool = False, dtype=jnp.float32,
+                     widths: tuple[int, ...] | None = None) -> Hardware:
   """The `measured` profile: a short calibration of this machine (seconds).
 
   FLOP/s of a decoder layer's forward + backward (with recompute) for several
-  widths; one jitted call's dispatch time; host->device and device->host GB/s through `DeviceTransport`;
+  widths (`widths`, or a default spread; pass the widths you will plan for, as
+  the rate between two measured widths is interpolated); one jitted call's dispatch time; host->device and device->host GB/s through `DeviceTransport`;
   the fused host AdamW's bytes/s (28 B per parameter).
   """
   from megatrain_jax.engine.transport import DeviceTransport  # pylint: disable=import-outside-toplevel
@@ -148,7 +150,7 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32) -> Hardware:
   dev = jax.devices()[0]
   points = []
   batch, seq = 4, 256
-  for d in ((128, 512) if quick else (128, 256, 512, 1024)):
+  for d in widths or ((128, 512) if quick else (128, 256, 512, 1024)):
     cfg = LlamaConfig(vocab_size=256, d_model=d, n_layers=1, n_heads=max(d // 64, 2),
                       n_kv_heads=max(d // 128, 1), d_ff=3 * d, max_seq_len=seq)
     p = jax.device_put(llama.init_block(cfg, jax.random.key(0)), dev)

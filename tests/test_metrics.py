@@ -43,8 +43,9 @@ def test_step_ratio_formula(monkeypatch):
 
 
 def test_link_ratio_formulas(monkeypatch):
-  times = iter([{"c": 2.0}, {"prefetch": 2.5, "none": 4.0}])
-  monkeypatch.setattr(benchmark, "median_times", lambda fns, warmup, reps: next(times))
+  monkeypatch.setattr(benchmark, "median_times", lambda fns, warmup, reps: {"c": 2.0})
+  monkeypatch.setattr(benchmark, "steady_step_times",
+                      lambda trainers, batch, warmup, reps: {"prefetch": 2.5, "none": 4.0})
   monkeypatch.setattr(benchmark, "layer_backward_time", lambda *a: 0.1)
 
   class FakeTrainer:
@@ -80,3 +81,24 @@ def test_gpu_check_script_runs_in_quick_mode(tmp_path):
   for key in ("h2d_gb_per_s_numpy_pageable", "h2d_gb_per_s_pinned_host",
               "fits_stream_over_resident_remat", "big_tokens_per_s", "big_mfu"):
     assert d[key] > 0, key
+
+
+def test_steady_step_times_times_the_second_step_of_each_turn(monkeypatch):
+  clock = {"t": 0.0}
+  monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock["t"])
+
+  class Fake:
+    def __init__(self, durations):
+      self.durations, self.calls = iter(durations), []
+    def step(self, batch):
+      clock["t"] += next(self.durations)
+      self.calls.append("step")
+    def wait(self):
+      self.calls.append("wait")
+
+  # Per turn: an untimed step, then the timed one; warm-up turns are not timed.
+  a = Fake([9, 9, 9, 1, 9, 3, 9, 2])
+  b = Fake([9, 9, 9, 5, 9, 4, 9, 6])
+  t = benchmark.steady_step_times({"a": a, "b": b}, None, warmup=1, reps=3)
+  assert t == {"a": 2, "b": 5}
+  assert a.calls[:3] == ["step", "step", "wait"] and len(a.calls) == 12

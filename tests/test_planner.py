@@ -80,7 +80,7 @@ CONFIGS = [
 
 def test_prediction_matches_the_engine_on_this_machine():
   """measured profile: step time within 30%, device peak within 15%, three shapes."""
-  hw = planner.measure_hardware(quick=True)
+  hw = planner.measure_hardware(quick=True, widths=tuple(c.d_model for c, _, _ in CONFIGS))
   for cfg, b, t in CONFIGS:
     ec = mt.EngineConfig()
     p = planner.plan(cfg, ADAMW, ec, hw, b, t)

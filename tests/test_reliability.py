@@ -9,7 +9,6 @@ from flax import nnx
 import megatrain_jax as mt
 from megatrain_jax import train as train_lib
 from megatrain_jax.engine import memory
-from megatrain_jax.engine import transport as transport_lib
 
 from conftest import TINY, random_batch
 
@@ -27,17 +26,21 @@ def _poison_master(trainer, unit):
   trainer._set_stream(unit, trainer.host_opt.stream_copy(trainer.host_opt.masters[unit]))
 
 
-class _NanGradLink(transport_lib.DeviceTransport):
-  """Returns the `nth` gradient of each step (1 = the head's) filled with NaN."""
+def _nan_gradient(eng, nth):
+  """Makes the `nth` gradient of the next step (1 = the head's, then the layers
+  from the top down to layer 1, the embedding's, layer 0's) non-finite where the
+  device makes it."""
+  calls = {"n": 0}
 
-  def __init__(self, nth):
-    super().__init__()
-    self.nth, self.calls = nth, 0
+  def poison(u, g, ok, last):
+    calls["n"] += 1
+    if calls["n"] == nth:
+      g = g * np.float32(np.nan)
+      ok = jax.numpy.all(jax.numpy.isfinite(g))
+    return send(u, g, ok, last)
 
-  def d2h(self, g):
-    self.calls += 1
-    out = super().d2h(g)
-    return out * np.float32(np.nan) if self.calls == self.nth else out
+  send = eng._send_grad
+  eng._send_grad = poison
 
 
 def _engine(opt, **kw):
@@ -89,15 +92,40 @@ def test_resident_nan_loss_raises_and_changes_nothing():
 # --- Non-finite gradient with a finite loss ---------------------------------
 
 def test_nan_gradient_after_per_unit_updates_invalidates_the_trainer():
-  # Gradients arrive head, layer 1, layer 0, embed: poison layer 0's (the 3rd).
-  with _engine(mt.optim.adamw(1e-2), transport=_NanGradLink(3)) as eng:
+  # Gradients arrive head, layer 1, embed, layer 0: poison layer 0's (the 4th).
+  with _engine(mt.optim.adamw(1e-2)) as eng:
+    _nan_gradient(eng, 4)
     with pytest.raises(FloatingPointError) as e:
       eng.step(random_batch(TINY))
+      eng.wait()  # the step may return before its last updates ran
     msg = str(e.value)
     assert "Non-finite gradient at step 1" in msg and "first found in layer 0" in msg
-    assert "head, layer 1" in msg and "now invalid" in msg
+    assert "head, layer 1, embed had" in msg and "now invalid" in msg
     with pytest.raises(RuntimeError, match="resume from the last checkpoint"):
       eng.step(random_batch(TINY))
+
+
+def test_nan_gradient_in_the_first_update_changes_nothing():
+  with _engine(mt.optim.adamw(1e-2)) as eng:
+    _nan_gradient(eng, 1)  # the head's: the first unit updated
+    before = eng.params()
+    with pytest.raises(FloatingPointError, match="first found in head. No parameter"):
+      eng.step(random_batch(TINY))
+    assert _same_params(eng.params(), before) and eng.step_count == 0
+    assert np.isfinite(eng.step(random_batch(TINY, seed=1))["loss"])
+    assert not _same_params(eng.params(), before)
+
+
+def test_nan_gradient_found_after_the_step_returned_is_raised_by_the_next_call():
+  # A slow gradient link: the step returns before layer 0's gradient is on the host.
+  with _engine(mt.optim.adamw(1e-2), transport=mt.SimulatedLink(0.001)) as eng:
+    _nan_gradient(eng, 4)  # layer 0's, the last
+    assert np.isfinite(eng.step(random_batch(TINY))["loss"])
+    with pytest.raises(FloatingPointError,
+                       match=r"step 1 .*layer 0 \(found after the step returned\).*now invalid"):
+      eng.step(random_batch(TINY, seed=1))
+    with pytest.raises(RuntimeError, match="resume from the last checkpoint"):
+      eng.step(random_batch(TINY, seed=2))
 
 
 @pytest.mark.parametrize("mode", ["skip", "whole_tree", "split_clip"])
@@ -106,7 +134,8 @@ def test_nan_gradient_checked_before_any_update(mode):
          "whole_tree": optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
          "split_clip": mt.optim.clip_by_global_norm(1.0, mt.optim.adamw(1e-2))}[mode]
   kw = {"nonfinite": "skip"} if mode == "skip" else {}
-  with _engine(opt, transport=_NanGradLink(2), **kw) as eng:
+  with _engine(opt, **kw) as eng:
+    _nan_gradient(eng, 2)
     before = eng.params()
     if mode == "skip":
       assert eng.step(random_batch(TINY))["skipped"]
@@ -115,7 +144,7 @@ def test_nan_gradient_checked_before_any_update(mode):
       with pytest.raises(FloatingPointError, match="first found in layer 1. No parameter"):
         eng.step(random_batch(TINY))
     assert _same_params(eng.params(), before)
-    assert np.isfinite(eng.step(random_batch(TINY, seed=1))["loss"])  # the link poisons once
+    assert np.isfinite(eng.step(random_batch(TINY, seed=1))["loss"])  # poisoned once
     assert not _same_params(eng.params(), before)
 
 

@@ -70,10 +70,15 @@ def schedule(cfg: LlamaConfig, ec) -> list[int]:
   return [u for u in order if streamed(u)]
 
 
+def held_units(cfg: LlamaConfig, ec) -> int:
+  """Parameter buffers the compute holds at once: a checkpoint group's layers in
+  its backward, or the head with the tied embedding."""
+  return max(ec.checkpoint_every, 2 if cfg.tie_embeddings and ec.stream_embed_head else 1)
+
+
 def prefetch_slots(cfg: LlamaConfig, ec) -> int:
   """Parameter buffers in flight at once: the held ones plus the prefetched."""
-  hold = max(ec.checkpoint_every, 2 if cfg.tie_embeddings and ec.stream_embed_head else 1)
-  return hold + ec.prefetch_depth
+  return held_units(cfg, ec) + ec.prefetch_depth
 
 
 def optimizer_mode(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec) -> str:

@@ -18,9 +18,12 @@ crosses device -> host once.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import math
+import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable
 
 import jax
@@ -43,14 +46,34 @@ from megatrain_jax.models.loss import head_loss_sum
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("raise", "skip")
+# Trainers with threads: closed at exit, so the last step's updates finish before
+# the interpreter tears JAX down under them.
+_OPEN: "weakref.WeakSet[StreamingTrainer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_trainers() -> None:
+  for trainer in list(_OPEN):
+    trainer.close()
 
 
 @dataclasses.dataclass
 class _StepGuard:
-  """What the optimizer thread found during one step's per-unit updates."""
+  """One step's per-unit updates, as the optimizer thread finds them.
+
+  Every gradient job carries its step's guard: a step returns once its backward
+  is done, and its last updates run on while the next step starts.
+  """
+  step: int
+  prev: "_StepGuard | None" = None  # the step before (read once, then dropped)
+  loss_parts: list = dataclasses.field(default_factory=list)
+  loss: float = math.nan
   loss_checked: bool = False
-  bad: tuple[str, list[int]] | None = None  # ("loss", []) or ("grads", [unit])
+  # ("loss", []), ("grads", [unit]) or ("previous", []): an earlier step went bad.
+  bad: tuple[str, list[int]] | None = None
   updated: list[int] = dataclasses.field(default_factory=list)
+  first_done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  reported: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,8 +245,14 @@ class StreamingTrainer:
     # Updates wait for the whole sweep when the transform needs every gradient, or
     # when a non-finite step must be skippable.
     self._defer = self.host_opt.updates_after_sweep or ec.nonfinite == "skip"
-    self._guard = _StepGuard()
-    self._loss_parts: list[jax.Array] = []
+    self._guard = _StepGuard(step=0)
+    self._guard.first_done.set()
+    self._late = self._guard  # the last step returned; its updates may still run
+    # The last step whose update of each unit is done (applied or refused): a fetch
+    # for step s waits until its unit's entry reaches s - 1.
+    self._done = [0] * self.n_units
+    self._done_cond = threading.Condition()
+    self._acc_ok: list[list[jax.Array]] = [[] for _ in specs]  # optimizer thread
     self._stream = [self.transport.stage(self.host_opt.stream_copy(m))
                     for m in self.host_opt.masters]
     self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
@@ -243,11 +272,14 @@ class StreamingTrainer:
                    "device_peak_bytes": 0}
     self._last: dict[str, float] = {}
     self.prefetcher = Prefetcher(self._fetch, ec.prefetch_depth, self._slots, self.ledger,
-                                 ec.timeout_s)
+                                 ec.timeout_s, ready=self._updated_for,
+                                 hold=memory.held_units(cfg, ec))
     self.grad_worker = GradWorker(self._handle_grad, ec.timeout_s, name="grads")
     # Host-side gradients wait here for the optimizer, two at most.
     self.opt_worker = GradWorker(self._handle_update, ec.timeout_s, name="optimizer")
     self._threads_open = True
+    self._next_started = False
+    _OPEN.add(self)
     self._budget_ok: set = set()
     self._d2h_bytes = 0
     self._d2h_s = 0.0
@@ -288,10 +320,14 @@ class StreamingTrainer:
     def block_fwd(flat, x):
       return llama.block_apply(cfg, sb.unflatten(flat), x)
 
+    # Each gradient template also says whether its gradient is finite: checked
+    # where the gradient is made, the host update needs no check of its own.
+    finite = lambda g: jnp.all(jnp.isfinite(g))
+
     def block_bwd(flat, x, g):
       _, vjp = jax.vjp(lambda f, x: llama.block_apply(cfg, sb.unflatten(f), x), flat, x)
       g_flat, g_x = vjp(g)
-      return g_x, g_flat
+      return g_x, g_flat, finite(g_flat)
 
     def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
       def f(fh, fe, x):
@@ -299,7 +335,7 @@ class StreamingTrainer:
                              x, labels, mask, chunk)
       loss_sum, vjp = jax.vjp(f, flat_h, flat_e, x)
       g_h, g_e, g_x = vjp(scale)
-      return loss_sum, g_x, g_h, g_e
+      return loss_sum, g_x, g_h, g_e, finite(g_h)
 
     def embed_bwd(ids, g_x, g_e_head):
       v, d = cfg.vocab_size, cfg.d_model
@@ -308,7 +344,7 @@ class StreamingTrainer:
       g = table.reshape(-1)
       if tied:
         g = g + g_e_head.astype(jnp.float32)
-      return g
+      return g, finite(g)
 
     self._embed_fwd = jax.jit(wrap("embed_fwd", embed_fwd))
     self._block_fwd = jax.jit(wrap("block_fwd", block_fwd))
@@ -320,8 +356,36 @@ class StreamingTrainer:
   # Transport and gradients (worker threads).
   # --------------------------------------------------------------------------
 
-  def _fetch(self, u: int) -> jax.Array:
+  def _fetch(self, u: int, step: int) -> jax.Array:
+    self._await_update(u, step)
     return self.transport.h2d(self._stream[u])
+
+  def _updated_for(self, u: int, step: int) -> bool:
+    """Whether unit u's copy is the one step `step` computes with (every earlier
+    step's update of it is done). Raises what stopped an engine thread."""
+    if self._done[u] >= step - 1:
+      return True
+    self.grad_worker.check()
+    self.opt_worker.check()
+    if not self._threads_open:
+      raise RuntimeError("The StreamingTrainer was closed during a fetch.")
+    return False
+
+  def _await_update(self, u: int, step: int) -> None:
+    """Blocks until unit u's updates from the steps before `step` are done."""
+    deadline = time.monotonic() + self.config.timeout_s
+    with self._done_cond:
+      while not self._updated_for(u, step):
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"The update of {self.unit_name(u)} took over "
+                             f"{self.config.timeout_s:.0f} s.")
+        self._done_cond.wait(0.05)
+
+  def _mark_done(self, units, step: int) -> None:
+    with self._done_cond:
+      for u in units:
+        self._done[u] = max(self._done[u], step)
+      self._done_cond.notify_all()
 
   def _refresh_resident(self, u: int) -> None:
     arr = self.transport.h2d(self._stream[u])
@@ -331,64 +395,91 @@ class StreamingTrainer:
 
   def _handle_grad(self, job) -> None:
     """Gradient thread: device -> host, then hand over to the optimizer thread."""
-    u, g_dev, last = job
+    u, g_dev, ok, last, guard = job
     t0 = time.perf_counter()
     g = self.transport.d2h(g_dev)
-    self._d2h_bytes += g.nbytes
     self._d2h_s += time.perf_counter() - t0
     self.ledger.remove(("grad", u))
-    self.opt_worker.submit((u, g, last))
+    self.opt_worker.submit((u, g, ok, last, guard))
 
   def _handle_update(self, job) -> None:
     """Optimizer thread: update the unit now, or accumulate its gradient."""
-    u, g, last = job
+    u, g, ok, last, guard = job
     t1 = time.perf_counter()
-    if last and not self._defer:
-      self._update_now(u, g)
-    else:
-      self.host_opt.accumulate(u, g)
-      self.host_opt.accum[u].block_until_ready()
+    try:
+      if last and not self._defer:
+        self._update_now(u, g, [*self._acc_ok[u], ok], guard)
+        self._acc_ok[u] = []
+      else:
+        self.host_opt.accumulate(u, g)
+        self._acc_ok[u].append(ok)
+        self.host_opt.accum[u].block_until_ready()
+    finally:
+      if last and not self._defer:
+        self._mark_done([u], guard.step)
     self._opt_s += time.perf_counter() - t1
 
-  def _update_now(self, u: int, g) -> None:
+  def _update_now(self, u: int, g, oks: list[jax.Array], guard: _StepGuard) -> None:
     """A per-unit update during the backward, after the step's loss is known finite.
 
     The first update of a step waits for the loss (its head is computed before
-    any gradient exists, so this costs no device time). A non-finite loss, or a
-    non-finite gradient (the update keeps such a unit as it was), stops every
-    further update of the step; `step` then raises.
+    any gradient exists, so this costs no device time). A non-finite loss, a
+    non-finite gradient (as the gradient templates report it; the unit stays as
+    it was), or an earlier step that went bad after some of its updates stops
+    every further update of the step; `step` or the next call then raises.
     """
-    guard = self._guard
-    if guard.bad is None and not guard.loss_checked:
-      guard.loss_checked = True
-      if not math.isfinite(sum(float(x) for x in self._loss_parts)):
-        guard.bad = ("loss", [])
-    if guard.bad is not None:
-      self.host_opt.accum[u] = None
-      return
-    new, ok = self.host_opt.update_unit(u, g)
-    if not bool(ok):
-      guard.bad = ("grads", [u])
-      return
-    guard.updated.append(u)
-    self._set_stream(u, new.block_until_ready())
+    try:
+      if guard.bad is None and not guard.loss_checked:
+        guard.loss_checked = True
+        prev, guard.prev = guard.prev, None  # final: its jobs ran before this one
+        if prev is not None and prev.bad is not None and prev.updated:
+          guard.bad = ("previous", [])
+        elif not math.isfinite(sum(float(x) for x in guard.loss_parts)):
+          guard.bad = ("loss", [])
+      if guard.bad is None and not all(bool(ok) for ok in oks):
+        guard.bad = ("grads", [u])
+      if guard.bad is not None:
+        self.host_opt.accum[u] = None
+        return
+      new = self.host_opt.update_unit(u, g)
+      guard.updated.append(u)
+      self._set_stream(u, new.block_until_ready())
+    finally:
+      guard.first_done.set()
 
   def _wait_workers(self) -> None:
+    """Waits for every queued gradient and update; raises what they found."""
     self.grad_worker.wait()
     self.opt_worker.wait()
+    self._check_late()
+
+  def wait(self) -> None:
+    """Blocks until the last step's updates are done (`step` returns before its
+    last units are updated). Raises a failure or non-finite gradient they met."""
+    if self._threads_open:
+      self._wait_workers()
+
+  def _cancel_prefetch(self) -> None:
+    """Drops fetches started for the next step (the host state is about to change
+    outside a step, so what they fetched would be stale)."""
+    if self._next_started:
+      self.prefetcher.cancel()
+      self._next_started = False
 
   def _set_stream(self, u: int, new_flat: jax.Array) -> None:
     self._stream[u] = self.transport.stage(new_flat)
     if u in self._resident:
       self._refresh_resident(u)
 
-  def _send_grad(self, u: int, g: jax.Array, last: bool) -> None:
-    self.ledger.add(("grad", u), g.nbytes)
-    self.grad_worker.submit((u, g, last))
+  def _send_grad(self, u: int, g: jax.Array, ok: jax.Array, last: bool) -> None:
+    """Queues unit u's gradient (already in the ledger) for the link and the update."""
+    self._d2h_bytes += g.nbytes
+    self.grad_worker.submit((u, g, ok, last, self._guard))
 
   def _get(self, u: int):
     """(array, key) of unit u on the device: resident, or the prefetcher's next."""
     if u in self._resident:
+      self._await_update(u, self._guard.step)
       return self._resident[u], None
     return self.prefetcher.get(u)
 
@@ -407,7 +498,15 @@ class StreamingTrainer:
     labels = tp.to_device(batch["labels"])
     mask = tp.to_device(batch["loss_mask"])
     self._stats["h2d_bytes"] += ids.nbytes + labels.nbytes + mask.nbytes
-    self.prefetcher.start(memory.schedule(self.cfg, self.config))
+    schedule = memory.schedule(self.cfg, self.config)
+    if not self._next_started:
+      self.prefetcher.start(schedule, self._guard.step)
+    self._next_started = last
+    if last:
+      # The next step's fetches, queued behind this step's: each waits for its
+      # unit's update, and the ones ready go first, so the link has work while
+      # this step's last layers compute and their updates finish.
+      self.prefetcher.start(schedule, self._guard.step + 1)
 
     p, key = self._get(self.EMBED)
     x = self._embed_fwd(p, ids)
@@ -425,12 +524,13 @@ class StreamingTrainer:
 
     p_h, key_h = self._get(self.HEAD)
     p_e, key_e = self._get(self.EMBED) if self._tied else (None, None)
-    loss_sum, g, g_h, g_e = self._head(p_h, p_e, x, labels, mask, scale)
+    loss_sum, g, g_h, g_e, ok = self._head(p_h, p_e, x, labels, mask, scale)
     self._release(key_h, g)
     self._release(key_e, g)
     ledger.add("g", act_bytes)
-    self._loss_parts.append(loss_sum)  # before any gradient: updates wait for it
-    self._send_grad(self.HEAD, g_h, last)
+    self._guard.loss_parts.append(loss_sum)  # before any gradient: updates wait for it
+    ledger.add(("grad", self.HEAD), g_h.nbytes)
+    self._send_grad(self.HEAD, g_h, ok, last)
 
     for s, e in reversed(memory.checkpoint_groups(self.cfg, self.config)):
       params = [self._get(1 + i) for i in range(s, e)]
@@ -439,15 +539,23 @@ class StreamingTrainer:
         xs.append(self._block_fwd(params[j][0], xs[-1]))
         ledger.add(("recompute", j), act_bytes)
       for j in reversed(range(e - s)):
-        g, g_p = self._block_bwd(params[j][0], xs[j], g)
+        g, g_p, ok = self._block_bwd(params[j][0], xs[j], g)
         self._release(params[j][1], g)
-        self._send_grad(1 + s + j, g_p, last)
+        self.ledger.add(("grad", 1 + s + j), g_p.nbytes)
+        if s + j:
+          self._send_grad(1 + s + j, g_p, ok, last)
+        else:
+          first_layer = (g_p, ok)
         ledger.remove(("recompute", j))
       ledger.remove(("ckpt", s))
-    g_e_embed = self._embed_bwd(ids, g, g_e)
+    g_e_embed, ok = self._embed_bwd(ids, g, g_e)
     ledger.remove("x")
     ledger.remove("g")
-    self._send_grad(self.EMBED, g_e_embed, last)
+    # The embedding's gradient leaves before layer 0's: the next forward needs it first.
+    self.ledger.add(("grad", self.EMBED), g_e_embed.nbytes)
+    self._send_grad(self.EMBED, g_e_embed, ok, last)
+    if L:
+      self._send_grad(1, *first_layer, last)
     return loss_sum
 
   def estimate_device_bytes(self, batch_size: int, seq_len: int) -> dict[str, int]:
@@ -490,6 +598,9 @@ class StreamingTrainer:
 
   def _sweep(self, batch, total: float, update: bool) -> float:
     """Every micro-batch's forward and backward; gradients go to the worker."""
+    self.grad_worker.check()  # a failure after the last step returned
+    self.opt_worker.check()
+    self._check_late()
     n = self.config.grad_accum
     b = batch["input_ids"].shape[0]
     scale = jnp.float32(1.0 / total)
@@ -502,37 +613,51 @@ class StreamingTrainer:
   def step(self, batch: dict[str, Any]) -> dict[str, Any]:
     """One optimizer step on `batch`; returns {"loss", "tokens", "step_time_s"}.
 
+    The step returns once its backward is done: the last units' gradients and
+    updates finish while the next step starts, and each unit's next fetch waits
+    for its new copy. `params()`, `snapshot()` and `wait()` wait for them.
+
     A NaN or infinite loss or gradient: with `nonfinite="skip"` the step changes
     nothing and returns with "skipped": True. With "raise" (the default) it
     raises FloatingPointError naming the step and, for gradients, the first unit
-    found non-finite. The host state is then as before the step, except in one
-    case the message states: per-unit updates run during the backward, so a
-    non-finite gradient found after some units were updated leaves the trainer
-    invalid (it refuses further steps; resume from the last checkpoint).
+    found non-finite. A non-finite loss, or a non-finite gradient in the first
+    unit updated (the head), leaves the host state as before the step. Per-unit
+    updates run during the backward, so a non-finite gradient found after some
+    units were updated leaves the trainer invalid (it refuses further steps;
+    resume from the last checkpoint); that error is raised by this step or, when
+    found after it returned, by the next call.
     """
     batch, total = self._prepare(batch)
-    h2d0, d2h0, fetch0 = self._stats["h2d_bytes"], self._d2h_bytes, self.prefetcher.bytes
+    h2d0, d2h0 = self._stats["h2d_bytes"], self._d2h_bytes
     busy0, d2h_s0, opt_s0 = self.prefetcher.busy_s, self._d2h_s, self._opt_s
     self.ledger.reset_peak()
-    self._guard, self._loss_parts = _StepGuard(), []
+    # Per-unit updates read the step before's verdict once, at their first update.
+    guard = self._guard = _StepGuard(step=self._stats["steps"] + 1,
+                                     prev=None if self._defer else self._late)
     t0 = time.perf_counter()
     try:
-      loss = self._sweep(batch, total, update=True)
+      loss = guard.loss = self._sweep(batch, total, update=True)
       t_compute = time.perf_counter()
-      self._wait_workers()
-      bad = self._find_nonfinite(loss)
-      if bad is None and self._defer:
-        # Dispatched, not awaited: it runs on the host backend while the next step
-        # starts, and each unit's next fetch waits for its new copy.
-        for u, new in enumerate(self.host_opt.update_all()):
-          self._set_stream(u, new)
+      if self._defer:
+        self._wait_workers()
+        bad = self._find_nonfinite(loss)
+        if bad is None:
+          # Dispatched, not awaited: it runs on the host backend while the next step
+          # starts, and each unit's next fetch waits for its new copy.
+          for u, new in enumerate(self.host_opt.update_all()):
+            self._set_stream(u, new)
+        self._mark_done(range(self.n_units), guard.step)
+      else:
+        bad = self._first_verdict(guard, loss)
       self.prefetcher.drain()
     except BaseException as e:
       self._fail(e)
       raise
     t_end = time.perf_counter()
     self._stats["steps"] += 1
-    self._stats["h2d_bytes"] += self.prefetcher.bytes - fetch0 + self._resident_h2d_bytes
+    # Fetches for this step, some made during the step before.
+    self._stats["h2d_bytes"] += (self.prefetcher.bytes_for.pop(guard.step, 0)
+                                 + self._resident_h2d_bytes)
     self._resident_h2d_bytes = 0
     self._stats["d2h_bytes"] = self._d2h_bytes
     self._stats["device_peak_bytes"] = max(self._stats["device_peak_bytes"], self.ledger.peak)
@@ -548,71 +673,115 @@ class StreamingTrainer:
     }
     out = {"loss": loss, "tokens": total, "step_time_s": self._last["step_time_s"]}
     if bad is not None:
-      self._nonfinite_step(bad, loss)
+      self._nonfinite_step(bad, guard)
       out["skipped"] = True
+    self._late = guard
     return out
+
+  def _first_verdict(self, guard: _StepGuard, loss: float):
+    """What this step's per-unit updates found so far, once the first one decided.
+
+    That decision (the head's, made before most of the backward ran) settles the
+    clean cases; when the step went bad, every job of it is waited for, so the
+    state is final before the step reports.
+    """
+    deadline = time.monotonic() + self.config.timeout_s
+    while not guard.first_done.wait(0.05):
+      self.grad_worker.check()
+      self.opt_worker.check()
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"The first update took over {self.config.timeout_s:.0f} s.")
+    self.grad_worker.check()
+    self.opt_worker.check()
+    if guard.bad is None and math.isfinite(loss):
+      return None
+    self.grad_worker.wait()
+    self.opt_worker.wait()
+    return guard.bad or ("loss", [])
 
   def unit_name(self, u: int) -> str:
     """"embed", "layer i" (0-based) or "head"."""
     return {self.EMBED: "embed", self.HEAD: "head"}.get(u, f"layer {u - 1}")
 
   def _find_nonfinite(self, loss: float) -> tuple[str, list[int]] | None:
-    """("loss", []) or ("grads", units) when this step's loss or gradients are not finite."""
-    if self._guard.bad is not None:
-      return self._guard.bad
+    """("loss", []) or ("grads", units) when this step's loss or gradients are not
+    finite (the updates wait for the sweep, so every gradient is on the host)."""
     if not math.isfinite(loss):
       return ("loss", [])
-    if self._defer:
-      units = self.host_opt.nonfinite_units()
-      if units:
-        order = [self.HEAD, *range(self.cfg.n_layers, 0, -1), self.EMBED]
-        return ("grads", sorted(units, key=order.index))
+    units = self.host_opt.nonfinite_units()
+    if units:
+      order = [self.HEAD, *range(self.cfg.n_layers, 0, -1), self.EMBED]
+      return ("grads", sorted(units, key=order.index))
     return None
 
-  def _nonfinite_step(self, bad: tuple[str, list[int]], loss: float) -> None:
-    """Skips the step (counted) or raises, as `config.nonfinite` says."""
+  def _drop_gradients(self) -> None:
     self.host_opt.drop_gradients()
-    step = self._stats["steps"]
-    kind, units = bad
+    self._acc_ok = [[] for _ in self.specs]
+
+  def _nonfinite_what(self, guard: _StepGuard) -> str:
+    kind, units = guard.bad
     if kind == "loss":
-      what = f"Non-finite loss {loss} at step {step}"
-    else:
-      names = [self.unit_name(u) for u in units]
-      what = (f"Non-finite gradient at step {step} (loss {loss:.6g}): first found in "
-              f"{names[0]}" + (f"; also in {', '.join(names[1:])}" if names[1:] else ""))
+      return f"Non-finite loss {guard.loss} at step {guard.step}"
+    names = [self.unit_name(u) for u in units]
+    return (f"Non-finite gradient at step {guard.step} (loss {guard.loss:.6g}): first "
+            f"found in {names[0]}" + (f"; also in {', '.join(names[1:])}" if names[1:] else ""))
+
+  def _nonfinite_error(self, guard: _StepGuard, late: bool = False) -> FloatingPointError:
+    what = self._nonfinite_what(guard)
+    if not guard.updated:
+      return FloatingPointError(
+          f"{what}. No parameter or optimizer state was changed: the trainer is as it "
+          "was before this step. Lower the learning rate, check the data, or set "
+          "EngineConfig(nonfinite='skip') to skip such steps.")
+    return FloatingPointError(
+        f"{what}{' (found after the step returned)' if late else ''}. The per-unit "
+        f"updates of {', '.join(self.unit_name(u) for u in guard.updated)} had already "
+        "run during the backward, so the host state is half-updated and this trainer is "
+        "now invalid: resume from the last checkpoint. (With "
+        "EngineConfig(nonfinite='skip') every gradient is checked before any update.)")
+
+  def _nonfinite_step(self, bad: tuple[str, list[int]], guard: _StepGuard) -> None:
+    """Skips the step (counted) or raises, as `config.nonfinite` says."""
+    self._drop_gradients()
+    if bad[0] == "previous":
+      self._check_late()  # the step before went bad after it returned
+    guard.bad, guard.reported = bad, True
     if self.config.nonfinite == "skip":
       self._stats["skipped_steps"] += 1
       logging.warning("%s; step skipped (%d skipped so far), no parameter changed.",
-                      what, self._stats["skipped_steps"])
+                      self._nonfinite_what(guard), self._stats["skipped_steps"])
       return
-    updated = self._guard.updated
-    if updated:
-      err = FloatingPointError(
-          f"{what}. The per-unit updates of {', '.join(self.unit_name(u) for u in updated)} "
-          "had already run during the backward, so the host state is half-updated and "
-          "this trainer is now invalid: resume from the last checkpoint. (With "
-          "EngineConfig(nonfinite='skip') every gradient is checked before any update.)")
+    err = self._nonfinite_error(guard)
+    if guard.updated:
       self._fail(err)
       raise err
     self._stats["steps"] -= 1  # nothing was applied
-    raise FloatingPointError(
-        f"{what}. No parameter or optimizer state was changed: the trainer is as it was "
-        "before this step. Lower the learning rate, check the data, or set "
-        "EngineConfig(nonfinite='skip') to skip such steps.")
+    self._cancel_prefetch()  # the caller may change the state before the next try
+    raise err
+
+  def _check_late(self) -> None:
+    """Raises a non-finite gradient the last step's updates found after it returned."""
+    guard = self._late
+    if guard.bad is not None and guard.updated and not guard.reported:
+      guard.reported = True
+      err = self._nonfinite_error(guard, late=True)
+      self._fail(err)
+      raise err
 
   def loss_and_grads(self, batch: dict[str, Any]):
     """(loss, gradient tree of numpy fp32) at the current parameters; no update."""
     batch, total = self._prepare(batch)
-    self._guard, self._loss_parts = _StepGuard(), []
+    self._guard = _StepGuard(step=self._stats["steps"] + 1)
     try:
       loss = self._sweep(batch, total, update=False)
       self._wait_workers()
       self.prefetcher.drain()
+      self._stats["h2d_bytes"] += self.prefetcher.bytes_for.pop(self._guard.step, 0)
     except BaseException as e:
       self._fail(e)
       raise
     grads = [s.unflatten(np.asarray(a)) for s, a in zip(self.specs, self.host_opt.accum)]
-    self.host_opt.accum = [None] * self.n_units
+    self._drop_gradients()
     return loss, self._assemble([jax.tree.map(np.array, g) for g in grads])
 
   def _fail(self, e: BaseException) -> None:
@@ -679,12 +848,15 @@ class StreamingTrainer:
     a mix of states: restore again (e.g. from an older checkpoint) before training.
     """
     self._wait_workers()
+    self._cancel_prefetch()
     for n in self.host_opt.state_names():
       self.host_opt.load_state(n, read(self._state_key(n)))
-    self.host_opt.drop_gradients()
+    self._drop_gradients()
     for u, m in enumerate(self.host_opt.masters):
       self._set_stream(u, self.host_opt.stream_copy(m))
     self._stats["steps"] = int(step_count)
+    with self._done_cond:  # every unit is now as of that step
+      self._done = [int(step_count)] * self.n_units
 
   def unit_params(self, u: int) -> dict[str, Any]:
     """Unit u's fp32 master parameters as a tree of numpy arrays (a copy)."""

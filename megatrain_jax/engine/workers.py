@@ -17,6 +17,7 @@ from typing import Any, Callable
 import jax
 
 _POLL_S = 0.05
+_READY_POLL_S = 0.002  # the prefetcher's wait for an update (or a free slot) to go on
 # Jobs a GradWorker holds at once by default (each holds one unit's gradient).
 MAX_PENDING = 2
 
@@ -49,6 +50,10 @@ class WorkerError(RuntimeError):
   pass
 
 
+class _Cancelled(Exception):
+  """The schedule being fetched was cancelled."""
+
+
 class Prefetcher:
   """Fetches units in a schedule's order with at most `slots` fetched buffers alive.
 
@@ -57,23 +62,42 @@ class Prefetcher:
   each transfer waits for the previous layer's compute (no overlap), and each
   extra slot lets one more transfer run ahead of the compute. `depth == 0`
   fetches on the caller's thread; otherwise one background thread fetches.
+
+  Each schedule comes with a tag (the step it is for), passed to `fetch(u, tag)`
+  and `ready(u, tag)`; `ready` says whether unit u can be fetched for that step
+  now (its update from the step before is done; `fetch` waits for that itself).
+  When the next unit is not ready, the thread fetches the first ready one further
+  on into a spare slot, keeping `hold` slots (the most buffers the compute holds
+  at once) for the units in order. So the link keeps working while the last
+  updates of the step before finish.
   """
 
-  def __init__(self, fetch: Callable[[int], jax.Array], depth: int, slots: int,
-               ledger: Ledger, timeout_s: float):
+  def __init__(self, fetch: Callable[[int, int], jax.Array], depth: int, slots: int,
+               ledger: Ledger, timeout_s: float,
+               ready: Callable[[int, int], bool] | None = None, hold: int = 1):
     self._fetch, self.depth, self.slots = fetch, depth, slots
     self._ledger, self._timeout = ledger, timeout_s
+    self._ready_unit = ready or (lambda u, tag: True)
+    self._hold = hold
     self._cond = threading.Condition()
     self._in_use = 0
     self._released: collections.deque = collections.deque()
-    self._ready: queue.Queue = queue.Queue()
+    self._arrived: dict[tuple[int, int], jax.Array] = {}  # (job, position) -> buffer
     self._jobs: queue.Queue = queue.Queue()
     self._error: BaseException | None = None
     self._abort = False
-    self._schedule: list[int] = []
+    self._cancel = False
+    self._open_jobs = 0  # schedules started and not finished by the thread
+    # Schedules started and not yet taken whole by `get`, as (job, schedule, tag);
+    # the thread fetches the next one as soon as it has fetched the one before.
+    self._started: collections.deque = collections.deque()
+    self._current: tuple[int, list[int], int] | None = None
+    self._job_ids = 0
     self._pos = 0
     self.busy_s = 0.0
     self.bytes = 0
+    self.bytes_for: collections.Counter = collections.Counter()  # by tag (step)
+    self.out_of_order = 0
     self._thread = None
     if depth > 0:
       self._thread = threading.Thread(target=self._run, name="megatrain-prefetch",
@@ -91,6 +115,8 @@ class Prefetcher:
           return
         if self._abort:
           raise WorkerError("prefetch aborted")
+        if self._cancel:
+          raise _Cancelled()
         token = self._released.popleft() if self._released else None
         if token is None:
           if time.monotonic() > deadline:
@@ -104,14 +130,34 @@ class Prefetcher:
       with self._cond:
         self._in_use -= 1
 
-  def _do_fetch(self, u: int, n: int):
-    self._acquire_slot()
+  def _try_spare_slot(self) -> bool:
+    """A slot for a unit out of order, if `hold` slots stay for the ones in order
+    (released buffers whose compute is done are reclaimed first, without waiting)."""
+    with self._cond:
+      while self._released and self._in_use + self._hold >= self.slots:
+        key, arr = self._released[0]
+        if arr is not None and not arr.is_ready():
+          break
+        self._released.popleft()
+        self._ledger.remove(key)
+        self._in_use -= 1
+      if self._in_use + self._hold < self.slots:
+        self._in_use += 1
+        return True
+      return False
+
+  def _fetch_into_slot(self, u: int, key, tag: int):
     t0 = time.perf_counter()
-    arr = self._fetch(u)
+    arr = self._fetch(u, tag)
     self.busy_s += time.perf_counter() - t0
     self.bytes += arr.nbytes
-    self._ledger.add(("param", u, n), arr.nbytes)
+    self.bytes_for[tag] += arr.nbytes
+    self._ledger.add(key, arr.nbytes)
     return arr
+
+  def _do_fetch(self, u: int, key, tag: int):
+    self._acquire_slot()
+    return self._fetch_into_slot(u, key, tag)
 
   # -- background thread -----------------------------------------------------
 
@@ -121,14 +167,45 @@ class Prefetcher:
       if job is None:
         return
       try:
-        for n, u in enumerate(job):
-          if self._abort:
-            break
-          self._ready.put((u, n, self._do_fetch(u, n)))
+        self._run_schedule(*job)
+      except _Cancelled:
+        pass
       except BaseException as e:  # pylint: disable=broad-except
-        self._error = e
-        self._ready.put(None)
+        with self._cond:
+          self._error = e
+          self._open_jobs -= 1
+          self._cond.notify_all()
         return
+      with self._cond:
+        self._open_jobs -= 1
+        self._cond.notify_all()
+
+  def _run_schedule(self, job: int, order: list[int], tag: int) -> None:
+    pending = list(range(len(order)))
+    deadline = time.monotonic() + self._timeout
+    ready = lambda p: self._ready_unit(order[p], tag)
+    while pending and not (self._abort or self._cancel):
+      n = pending[0]
+      if ready(n):
+        self._deliver(job, n, self._do_fetch(order[n], ("param", order[n], job, n), tag))
+        pending.pop(0)
+        deadline = time.monotonic() + self._timeout
+        continue
+      ahead = next((p for p in pending[1:] if ready(p)), None)
+      if ahead is not None and self._try_spare_slot():
+        self.out_of_order += 1
+        self._deliver(job, ahead, self._fetch_into_slot(
+            order[ahead], ("param", order[ahead], job, ahead), tag))
+        pending.remove(ahead)
+        continue
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"Unit {order[n]} was not ready in {self._timeout:.0f} s.")
+      time.sleep(_READY_POLL_S)
+
+  def _deliver(self, job: int, n: int, arr) -> None:
+    with self._cond:
+      self._arrived[(job, n)] = arr
+      self._cond.notify_all()
 
   # -- caller side -----------------------------------------------------------
 
@@ -136,39 +213,63 @@ class Prefetcher:
     if self._error is not None:
       raise self._error
 
-  def start(self, schedule: list[int]) -> None:
+  def start(self, schedule: list[int], tag: int = 0) -> None:
+    """Queues `schedule` for step `tag`; `get` takes its units in order, after
+    those of the schedules started before it."""
     self.check()
-    self._schedule, self._pos = list(schedule), 0
+    self._job_ids += 1
+    job = (self._job_ids, list(schedule), tag)
+    self._started.append(job)
     if self._thread is not None:
-      self._jobs.put(self._schedule)
+      with self._cond:
+        self._open_jobs += 1
+      self._jobs.put(job)
+
+  def cancel(self) -> None:
+    """Drops every started schedule and frees every buffer fetched for it."""
+    with self._cond:
+      self._cancel = True
+      self._cond.notify_all()
+      deadline = time.monotonic() + self._timeout
+      while self._open_jobs and self._error is None:
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"Prefetch did not stop in {self._timeout:.0f} s.")
+        self._cond.wait(_POLL_S)
+      jobs = {j: order for j, order, _ in [*self._started, *([self._current] if self._current else [])]}
+      for (j, n) in self._arrived:
+        self._ledger.remove(("param", jobs[j][n], j, n))
+        self._in_use -= 1
+      self._arrived.clear()
+      self._cancel = False
+    self._started.clear()
+    self._current, self._pos = None, 0
+    self.drain()
 
   def get(self, u: int):
-    """The next unit of the schedule, which must be `u`; returns (array, key)."""
+    """The next unit of the started schedules, which must be `u`; returns (array, key)."""
+    if self._current is None or self._pos >= len(self._current[1]):
+      self._current = self._started.popleft() if self._started else None
+      self._pos = 0
+    job, order, tag = self._current or (0, [], 0)
     n = self._pos
-    expected = self._schedule[n] if n < len(self._schedule) else None
+    expected = order[n] if n < len(order) else None
     if expected != u:
       raise RuntimeError(f"Prefetch schedule out of order: wanted unit {u}, "
                          f"schedule has {expected} at position {n}.")
     self._pos += 1
+    key = ("param", u, job, n)
     if self._thread is None:
-      return self._do_fetch(u, n), ("param", u, n)
+      return self._do_fetch(u, key, tag), key
     deadline = time.monotonic() + self._timeout
-    while True:
-      self.check()
-      try:
-        item = self._ready.get(timeout=_POLL_S)
-      except queue.Empty:
+    with self._cond:
+      while (job, n) not in self._arrived:
+        self.check()
         if not self._thread.is_alive():
-          self.check()
           raise WorkerError("The prefetch thread stopped.")
         if time.monotonic() > deadline:
           raise TimeoutError(f"Prefetch of unit {u} took over {self._timeout:.0f} s.")
-        continue
-      if item is None:
-        self.check()
-        raise WorkerError("The prefetch thread stopped.")
-      got, pos, arr = item
-      return arr, ("param", got, pos)
+        self._cond.wait(_POLL_S)
+      return self._arrived.pop((job, n)), key
 
   def release(self, key, token) -> None:
     with self._cond:
