@@ -83,6 +83,7 @@ class Prefetcher:
     self._in_use = 0
     self._released: collections.deque = collections.deque()
     self._arrived: dict[tuple[int, int], jax.Array] = {}  # (job, position) -> buffer
+    self._ahead: set[tuple[int, int]] = set()  # of those, fetched out of order
     self._jobs: queue.Queue = queue.Queue()
     self._error: BaseException | None = None
     self._abort = False
@@ -131,17 +132,21 @@ class Prefetcher:
         self._in_use -= 1
 
   def _try_spare_slot(self) -> bool:
-    """A slot for a unit out of order, if `hold` slots stay for the ones in order
-    (released buffers whose compute is done are reclaimed first, without waiting)."""
+    """A free slot for a unit out of order, without waiting (released buffers whose
+    compute is done are reclaimed first). Buffers fetched out of order and not yet
+    taken stay under slots - hold, so the units in order always have `hold` slots
+    (every other buffer is one the compute will take or has released)."""
     with self._cond:
-      while self._released and self._in_use + self._hold >= self.slots:
+      if len(self._ahead) + self._hold >= self.slots:
+        return False
+      while self._released and self._in_use >= self.slots:
         key, arr = self._released[0]
         if arr is not None and not arr.is_ready():
           break
         self._released.popleft()
         self._ledger.remove(key)
         self._in_use -= 1
-      if self._in_use + self._hold < self.slots:
+      if self._in_use < self.slots:
         self._in_use += 1
         return True
       return False
@@ -194,8 +199,10 @@ class Prefetcher:
       ahead = next((p for p in pending[1:] if ready(p)), None)
       if ahead is not None and self._try_spare_slot():
         self.out_of_order += 1
-        self._deliver(job, ahead, self._fetch_into_slot(
-            order[ahead], ("param", order[ahead], job, ahead), tag))
+        arr = self._fetch_into_slot(order[ahead], ("param", order[ahead], job, ahead), tag)
+        with self._cond:
+          self._ahead.add((job, ahead))
+        self._deliver(job, ahead, arr)
         pending.remove(ahead)
         continue
       if time.monotonic() > deadline:
@@ -240,6 +247,7 @@ class Prefetcher:
         self._ledger.remove(("param", jobs[j][n], j, n))
         self._in_use -= 1
       self._arrived.clear()
+      self._ahead.clear()
       self._cancel = False
     self._started.clear()
     self._current, self._pos = None, 0
@@ -269,6 +277,7 @@ class Prefetcher:
         if time.monotonic() > deadline:
           raise TimeoutError(f"Prefetch of unit {u} took over {self._timeout:.0f} s.")
         self._cond.wait(_POLL_S)
+      self._ahead.discard((job, n))
       return self._arrived.pop((job, n)), key
 
   def release(self, key, token) -> None:
