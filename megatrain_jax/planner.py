@@ -47,7 +47,8 @@ class Hardware:
     profiles give one point: peak x `mfu`.
   shared: device compute and host work run on the same cores (CPU backend), so
     their times add instead of overlapping.
-  call_overhead_s: host time to dispatch one jitted template call.
+  call_overhead_s: host time per template call of a step (dispatch and the
+    engine's per-unit bookkeeping).
   """
 
   name: str
@@ -130,13 +131,35 @@ def _median_time(fn, reps: int) -> float:
   return float(np.median(times))
 
 
+def _engine_call_time(reps: int) -> float:
+  """The engine's own time per template call: a streaming step of a model too small
+  to compute anything (its prefetch, release, gradient hand-over and update per
+  unit), over the step's template calls."""
+  from megatrain_jax.engine.trainer import EngineConfig, StreamingTrainer  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.optim import adamw  # pylint: disable=import-outside-toplevel
+  cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1,
+                    d_ff=64, max_seq_len=16)
+  ids = np.zeros((1, 9), np.int32)
+  batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
+           "loss_mask": np.ones((1, 8), np.float32)}
+  with StreamingTrainer.from_config(cfg, adamw(1e-4), EngineConfig(),
+                                    jax.random.key(0)) as eng:
+    eng.step(batch)
+    t = _median_time(lambda: (eng.step(batch), eng.wait()), max(reps, 5))
+  return t / (3 + 3 * cfg.n_layers)
+
+
 def measure_hardware(quick: bool = False, dtype=jnp.float32,
-                     widths: tuple[int, ...] | None = None) -> Hardware:
+                     widths: tuple[int, ...] | None = None, batch_size: int = 4,
+                     seq_len: int = 256) -> Hardware:
   """The `measured` profile: a short calibration of this machine (seconds).
 
-  FLOP/s of a decoder layer's forward + backward (with recompute) for several
-  widths (`widths`, or a default spread; pass the widths you will plan for, as
-  the rate between two measured widths is interpolated); one jitted call's dispatch time; host->device and device->host GB/s through `DeviceTransport`;
+  FLOP/s of the engine's step (forward + backward with recompute, the head
+  included: a 2-layer model timed whole) for several widths (`widths`, or a default spread; pass the widths you will plan for, as
+  the rate between two measured widths is interpolated), at `batch_size` x
+  `seq_len` tokens (attention's share of the work grows with the sequence, so
+  calibrate at the shape you plan for); the engine's time per
+  template call (a step of a tiny model); host->device and device->host GB/s through `DeviceTransport`;
   the fused host AdamW's bytes/s (28 B per parameter).
   """
   from megatrain_jax.engine.transport import DeviceTransport  # pylint: disable=import-outside-toplevel
@@ -144,30 +167,26 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
   from megatrain_jax.engine.host_optimizer import HostOptimizer  # pylint: disable=import-outside-toplevel
   from megatrain_jax.optim import adamw  # pylint: disable=import-outside-toplevel
 
-  from megatrain_jax.models import llama  # pylint: disable=import-outside-toplevel
 
   reps = 3 if quick else 5
   dev = jax.devices()[0]
   points = []
-  batch, seq = 4, 256
+  batch, seq = batch_size, seq_len
+  from megatrain_jax.engine.trainer import EngineConfig, StreamingTrainer  # pylint: disable=import-outside-toplevel
   for d in widths or ((128, 512) if quick else (128, 256, 512, 1024)):
-    cfg = LlamaConfig(vocab_size=256, d_model=d, n_layers=1, n_heads=max(d // 64, 2),
+    # A streaming step of a 2-layer model of this width and shape: the rate the
+    # engine's templates reach, with the head and the engine's own work included.
+    cfg = LlamaConfig(vocab_size=256, d_model=d, n_layers=2, n_heads=max(d // 64, 2),
                       n_kv_heads=max(d // 128, 1), d_ff=3 * d, max_seq_len=seq)
-    p = jax.device_put(llama.init_block(cfg, jax.random.key(0)), dev)
-    x = jax.device_put(jnp.ones((batch, seq, d), dtype), dev)
-    fwd = jax.jit(lambda p, x, cfg=cfg: llama.block_apply(cfg, p, x))
-
-    @jax.jit
-    def bwd(p, x, g, cfg=cfg):
-      return jax.vjp(lambda p, x: llama.block_apply(cfg, p, x), p, x)[1](g)
-
-    t = _median_time(lambda: (fwd(p, x), bwd(p, x, x)), reps)
-    # The engine's work per layer: forward, then backward with the forward recomputed.
-    flops = batch * seq * (8 * cfg.block_param_count() + 16 * seq * d)
+    ids = np.zeros((batch, seq + 1), np.int32)
+    sample = {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
+              "loss_mask": np.ones((batch, seq), np.float32)}
+    with StreamingTrainer.from_config(cfg, adamw(1e-4), EngineConfig(compute_dtype=dtype),
+                                      jax.random.key(0)) as eng:
+      t = _median_time(lambda: (eng.step(sample), eng.wait()), reps)
+    flops = batch * seq * (model_flops_per_token(cfg, seq) + recompute_flops_per_token(cfg, seq))
     points.append((d, flops / t))
-  tiny = jax.device_put(jnp.ones((8,), dtype), dev)
-  noop = jax.jit(lambda x: x + 1)
-  call = _median_time(lambda: noop(tiny), 20)
+  call = _engine_call_time(reps)
 
   tp = DeviceTransport()
   n = (4 if quick else 16) * 2**20

@@ -312,5 +312,7 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
       if ckpt is not None and (step % tc.save_every == 0 or step == tc.steps):
         ckpt.save(trainer, {**settings,
                             "data_position": dataclasses.asdict(dataset.position)})
+  if hasattr(trainer, "wait"):
+    trainer.wait()  # the last step's last updates, and anything they found
   if bar is not None:
     bar.close()
