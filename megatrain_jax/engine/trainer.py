@@ -412,7 +412,8 @@ class StreamingTrainer:
         self._acc_ok[u] = []
       else:
         self.host_opt.accumulate(u, g)
-        self._acc_ok[u].append(ok)
+        if not self._defer:  # deferred updates check the accumulated sums instead
+          self._acc_ok[u].append(ok)
         self.host_opt.accum[u].block_until_ready()
     finally:
       if last and not self._defer:
