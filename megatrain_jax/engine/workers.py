@@ -96,7 +96,6 @@ class Prefetcher:
     self._job_ids = 0
     self._pos = 0
     self.busy_s = 0.0
-    self.bytes = 0
     self.bytes_for: collections.Counter = collections.Counter()  # by tag (step)
     self.out_of_order = 0
     self._thread = None
@@ -155,7 +154,6 @@ class Prefetcher:
     t0 = time.perf_counter()
     arr = self._fetch(u, tag)
     self.busy_s += time.perf_counter() - t0
-    self.bytes += arr.nbytes
     self.bytes_for[tag] += arr.nbytes
     self._ledger.add(key, arr.nbytes)
     return arr
