@@ -48,7 +48,7 @@ class Hardware:
   shared: device compute and host work run on the same cores (CPU backend), so
     their times add instead of overlapping.
   call_overhead_s: host time per template call of a step (dispatch and the
-    engine's per-unit bookkeeping).
+    engine's per-unit bookkeeping); 0 in the measured profile, whose rate holds it.
   """
 
   name: str
@@ -131,62 +131,43 @@ def _median_time(fn, reps: int) -> float:
   return float(np.median(times))
 
 
-def _engine_call_time(reps: int) -> float:
-  """The engine's own time per template call: a streaming step of a model too small
-  to compute anything (its prefetch, release, gradient hand-over and update per
-  unit), over the step's template calls."""
-  from megatrain_jax.engine.trainer import EngineConfig, StreamingTrainer  # pylint: disable=import-outside-toplevel
-  from megatrain_jax.optim import adamw  # pylint: disable=import-outside-toplevel
-  cfg = LlamaConfig(vocab_size=64, d_model=32, n_layers=4, n_heads=2, n_kv_heads=1,
-                    d_ff=64, max_seq_len=16)
-  ids = np.zeros((1, 9), np.int32)
-  batch = {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
-           "loss_mask": np.ones((1, 8), np.float32)}
-  with StreamingTrainer.from_config(cfg, adamw(1e-4), EngineConfig(),
-                                    jax.random.key(0)) as eng:
-    eng.step(batch)
-    t = _median_time(lambda: (eng.step(batch), eng.wait()), max(reps, 5))
-  return t / (3 + 3 * cfg.n_layers)
-
-
 def measure_hardware(quick: bool = False, dtype=jnp.float32,
                      widths: tuple[int, ...] | None = None, batch_size: int = 4,
                      seq_len: int = 256) -> Hardware:
   """The `measured` profile: a short calibration of this machine (seconds).
 
-  FLOP/s of the engine's step (forward + backward with recompute, the head
-  included: a 2-layer model timed whole) for several widths (`widths`, or a default spread; pass the widths you will plan for, as
-  the rate between two measured widths is interpolated), at `batch_size` x
-  `seq_len` tokens (attention's share of the work grows with the sequence, so
-  calibrate at the shape you plan for); the engine's time per
-  template call (a step of a tiny model); host->device and device->host GB/s through `DeviceTransport`;
-  the fused host AdamW's bytes/s (28 B per parameter).
+  - FLOP/s of the engine itself, for several widths (`widths`, or a default
+    spread): a streaming step of a 2-layer model of that width at `batch_size` x
+    `seq_len` tokens, timed whole. The rate between two measured widths is
+    interpolated, and attention's share grows with the sequence, so pass the
+    widths and shape you will plan for. The engine's per-call work is inside this
+    rate, so the profile's `call_overhead_s` is 0. (On the CPU backend that step
+    also holds its own copies and updates, which the plan adds again: a few
+    percent at these sizes.)
+  - host->device and device->host GB/s through `DeviceTransport`;
+  - the fused host AdamW's bytes/s (28 B per parameter).
   """
-  from megatrain_jax.engine.transport import DeviceTransport  # pylint: disable=import-outside-toplevel
   from megatrain_jax.engine.flat import FlatSpec  # pylint: disable=import-outside-toplevel
   from megatrain_jax.engine.host_optimizer import HostOptimizer  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.engine.trainer import EngineConfig, StreamingTrainer  # pylint: disable=import-outside-toplevel
+  from megatrain_jax.engine.transport import DeviceTransport  # pylint: disable=import-outside-toplevel
   from megatrain_jax.optim import adamw  # pylint: disable=import-outside-toplevel
-
 
   reps = 3 if quick else 5
   dev = jax.devices()[0]
+  b, t = batch_size, seq_len
+  ids = np.zeros((b, t + 1), np.int32)
+  sample = {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
+            "loss_mask": np.ones((b, t), np.float32)}
   points = []
-  batch, seq = batch_size, seq_len
-  from megatrain_jax.engine.trainer import EngineConfig, StreamingTrainer  # pylint: disable=import-outside-toplevel
   for d in widths or ((128, 512) if quick else (128, 256, 512, 1024)):
-    # A streaming step of a 2-layer model of this width and shape: the rate the
-    # engine's templates reach, with the head and the engine's own work included.
     cfg = LlamaConfig(vocab_size=256, d_model=d, n_layers=2, n_heads=max(d // 64, 2),
-                      n_kv_heads=max(d // 128, 1), d_ff=3 * d, max_seq_len=seq)
-    ids = np.zeros((batch, seq + 1), np.int32)
-    sample = {"input_ids": ids[:, :-1], "labels": ids[:, 1:],
-              "loss_mask": np.ones((batch, seq), np.float32)}
+                      n_kv_heads=max(d // 128, 1), d_ff=3 * d, max_seq_len=t)
     with StreamingTrainer.from_config(cfg, adamw(1e-4), EngineConfig(compute_dtype=dtype),
                                       jax.random.key(0)) as eng:
-      t = _median_time(lambda: (eng.step(sample), eng.wait()), reps)
-    flops = batch * seq * (model_flops_per_token(cfg, seq) + recompute_flops_per_token(cfg, seq))
-    points.append((d, flops / t))
-  call = _engine_call_time(reps)
+      step_s = _median_time(lambda: (eng.step(sample), eng.wait()), reps)
+    flops = b * t * (model_flops_per_token(cfg, t) + recompute_flops_per_token(cfg, t))
+    points.append((d, flops / step_s))
 
   tp = DeviceTransport()
   n = (4 if quick else 16) * 2**20
@@ -215,7 +196,7 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
                   host_bytes=memory.available_host_bytes(),
                   peak_flops=max(f for _, f in points), shared=shared,
                   flash_attention=dev.platform != "cpu",
-                  call_overhead_s=call, source="calibrated on this machine")
+                  call_overhead_s=0.0, source="calibrated on this machine")
 
 
 def hardware(name: str, quick: bool = False) -> Hardware:

@@ -542,7 +542,7 @@ class StreamingTrainer:
       for j in reversed(range(e - s)):
         g, g_p, ok = self._block_bwd(params[j][0], xs[j], g)
         self._release(params[j][1], g)
-        self.ledger.add(("grad", 1 + s + j), g_p.nbytes)
+        ledger.add(("grad", 1 + s + j), g_p.nbytes)
         if s + j:
           self._send_grad(1 + s + j, g_p, ok, last)
         else:
@@ -553,7 +553,7 @@ class StreamingTrainer:
     ledger.remove("x")
     ledger.remove("g")
     # The embedding's gradient leaves before layer 0's: the next forward needs it first.
-    self.ledger.add(("grad", self.EMBED), g_e_embed.nbytes)
+    ledger.add(("grad", self.EMBED), g_e_embed.nbytes)
     self._send_grad(self.EMBED, g_e_embed, ok, last)
     if L:
       self._send_grad(1, *first_layer, last)
