@@ -13,6 +13,7 @@ import json
 from absl import app, flags, logging
 
 from megatrain_jax import benchmark
+from megatrain_jax.engine import host_memory
 from megatrain_jax.models.config import LlamaConfig
 
 flags.DEFINE_enum("suite", "cpu", ["cpu", "smoke"], "Which sizes to run.")
@@ -31,6 +32,7 @@ SUITES = {
 
 def main(argv):
   del argv
+  host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
   logging.set_verbosity(logging.INFO)
   suite = SUITES[FLAGS.suite]
   if FLAGS.reps:

@@ -13,6 +13,7 @@ Running the same command again resumes from the latest complete checkpoint.
 from absl import app, flags, logging
 
 from megatrain_jax import train as train_lib
+from megatrain_jax.engine import host_memory
 
 _D = train_lib.TrainConfig()
 flags.DEFINE_string("workdir", _D.workdir, "Output directory.")
@@ -54,6 +55,7 @@ def _int(text: str) -> int:
 
 def main(argv):
   del argv
+  host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
   logging.set_verbosity(logging.INFO)
   tc = train_lib.TrainConfig(
       workdir=FLAGS.workdir, model=FLAGS.model, engine=FLAGS.engine, steps=FLAGS.steps,

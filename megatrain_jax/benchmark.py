@@ -25,6 +25,7 @@ from absl import logging
 from flax import nnx
 
 from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer
+from megatrain_jax.engine import host_memory as malloc
 from megatrain_jax.engine.flat import FlatSpec
 from megatrain_jax.engine.host_optimizer import HostOptimizer
 from megatrain_jax.metrics import model_flops_per_token
@@ -258,7 +259,11 @@ def machine() -> dict[str, Any]:
   d = jax.devices()[0]
   return {"platform": d.platform, "device": str(d.device_kind), "cpus": os.cpu_count(),
           "python": platform.python_version(), "jax": jax.__version__,
-          "machine": platform.machine()}
+          "machine": platform.machine(),
+          # malloc's page size decides what each per-layer call's scratch costs
+          # (see engine/host_memory.py): the run's setting, stated.
+          "transparent_huge_pages": malloc.thp_mode(),
+          "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
 def run_suite(s: Suite) -> dict[str, Any]:

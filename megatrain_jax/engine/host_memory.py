@@ -6,18 +6,35 @@ freed memory instead of returning it. With several threads allocating and freein
 unit-sized buffers every step, that retention measured +2.7 bytes per parameter of
 RSS on a 350M-parameter model after one step. Fixing the threshold at 1 MiB makes
 every large buffer its own mapping, returned to the system when freed.
+
+Fresh mappings cost a page fault per 4 KiB page on first touch. On the CPU
+backend XLA allocates every call's scratch with malloc (a block's backward at
+d_model 512 and 2K tokens: 235 MB), so an engine that runs one call per layer
+faults its scratch again in every call, where one jitted model step faults it
+once. With transparent huge pages a fault maps 2 MiB instead: the launchers
+re-execute themselves once with glibc's malloc asking for them
+(`use_huge_pages`), when the kernel offers them on request ("madvise" mode).
+Measured on a 2-core machine (d_model 512, 8 layers, 2K tokens per step):
+streaming step 6.3 s -> 5.5 s, resident step with remat 5.4 s -> 5.8 s.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import platform
+import re
+import sys
+from typing import Mapping
 
 from absl import logging
 
 _M_MMAP_THRESHOLD = -3
 _done = False
+_THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
+HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE)
+OPT_OUT = "MEGATRAIN_HUGE_PAGES"  # set to 0 to keep the process as started
 
 
 def return_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
@@ -37,3 +54,59 @@ def return_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
     logging.info("malloc: buffers over %d KiB are mapped and returned when freed.",
                  threshold_bytes // 1024)
   return ok
+
+
+def thp_mode(path: str = _THP_MODE_FILE) -> str | None:
+  """The kernel's transparent-huge-page mode: "always", "madvise", "never", or None."""
+  try:
+    with open(path, encoding="ascii") as f:
+      m = re.search(r"\[(\w+)\]", f.read())
+  except OSError:
+    return None
+  return m.group(1) if m else None
+
+
+def _glibc_has_hugetlb() -> bool:
+  name, version = platform.libc_ver()
+  try:
+    major, minor = (int(x) for x in version.split(".")[:2])
+  except ValueError:
+    return False
+  return name == "glibc" and (major, minor) >= (2, 35)
+
+
+def huge_page_environ(environ: Mapping[str, str], mode: str | None
+                      ) -> dict[str, str] | None:
+  """The environment to re-execute with so malloc asks for huge pages, or None
+  when that would change nothing: the kernel gives them to every mapping
+  ("always") or to none ("never"), the tunable is already set, or the caller
+  opted out with MEGATRAIN_HUGE_PAGES=0."""
+  tunables = environ.get("GLIBC_TUNABLES", "")
+  if (mode != "madvise" or "glibc.malloc.hugetlb" in tunables
+      or environ.get(OPT_OUT) == "0"):
+    return None
+  env = dict(environ)
+  env["GLIBC_TUNABLES"] = ":".join(t for t in (tunables, HUGE_PAGE_TUNABLE) if t)
+  return env
+
+
+def use_huge_pages() -> None:
+  """Re-executes this process (same interpreter and command line) with malloc
+  asking for transparent huge pages, when the kernel offers them on request.
+
+  Call it first in a launcher's `main`: glibc reads the setting only at start,
+  so a running process cannot change it. Returns at once when there is nothing
+  to do (not Linux/glibc >= 2.35, mode not "madvise", already set, or
+  MEGATRAIN_HUGE_PAGES=0). In a notebook, start the kernel with
+  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 instead.
+  """
+  if platform.system() != "Linux" or not _glibc_has_hugetlb():
+    return
+  env = huge_page_environ(os.environ, thp_mode())
+  if env is None:
+    return
+  logging.info("Restarting with %s (transparent huge pages for malloc; set %s=0 to "
+               "keep the process as started).", HUGE_PAGE_TUNABLE, OPT_OUT)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)

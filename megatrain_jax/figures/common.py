@@ -16,7 +16,7 @@ import jax
 from absl import logging
 
 from megatrain_jax.benchmark import median_times, synthetic_batch
-from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.engine import EngineConfig, StreamingTrainer, host_memory
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.optim import adamw
@@ -111,6 +111,7 @@ def run_script(name: str) -> None:
 
   def main(argv):
     del argv
+    host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
     csv_path, png_path = figures_lib.FIGURES[name].make(flags.FLAGS.out_dir,
                                                         flags.FLAGS.quick)
     logging.info("Wrote %s and %s.", csv_path, png_path)
