@@ -8,6 +8,7 @@ call is never timed).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import platform
 import resource
@@ -226,16 +227,16 @@ def _rss_bytes() -> int:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def host_memory_child(model_name: str, steps: int = 2) -> dict[str, Any]:
+def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
+                      ) -> dict[str, Any]:
   """Run in a fresh process: peak RSS of training `model_name`, per parameter."""
   from megatrain_jax.models.config import preset
   cfg = preset(model_name)
   batch = synthetic_batch(cfg, 1, 64)
   jax.block_until_ready(jnp.zeros(1) + 1)  # backend up before the baseline
   base = _rss_bytes()
-  with StreamingTrainer.from_config(cfg, adamw(1e-4),
-                                    EngineConfig(compute_dtype=jnp.bfloat16),
-                                    jax.random.key(0)) as eng:
+  ec = EngineConfig(compute_dtype=jnp.bfloat16, stream_copy=stream_copy)
+  with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
     for _ in range(steps):
       eng.step(batch)
     n = eng.stats()["param_count"]
@@ -244,15 +245,24 @@ def host_memory_child(model_name: str, steps: int = 2) -> dict[str, Any]:
           "rss_param_count": n, "rss_peak_bytes": peak, "rss_baseline_bytes": base}
 
 
-def host_memory(s: Suite) -> dict[str, Any]:
-  code = ("import json, sys; from megatrain_jax import benchmark as b; "
-          f"print('RESULT ' + json.dumps(b.host_memory_child({s.rss_model!r})))")
+def _host_memory_run(model_name: str, stream_copy: str) -> dict[str, Any]:
+  code = ("import json, sys; from megatrain_jax import benchmark as b; print('RESULT ' + "
+          f"json.dumps(b.host_memory_child({model_name!r}, stream_copy={stream_copy!r})))")
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
   lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
   if r.returncode != 0 or not lines:
     raise RuntimeError(f"host-memory measurement failed:\n{r.stderr[-3000:]}")
-  import json
   return json.loads(lines[-1][len("RESULT "):])
+
+
+def host_memory(s: Suite) -> dict[str, Any]:
+  """Host bytes per parameter with the engine's defaults (on the CPU backend each
+  fetch casts the master), and with the compute-dtype copies kept, as the default
+  does on an accelerator."""
+  out = _host_memory_run(s.rss_model, "auto")
+  out["host_bytes_per_param_kept_copies"] = _host_memory_run(
+      s.rss_model, "keep")["host_bytes_per_param"]
+  return out
 
 
 def machine() -> dict[str, Any]:

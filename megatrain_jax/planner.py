@@ -377,7 +377,7 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
 def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hardware,
          batch_size: int, seq_len: int) -> Plan:
   """Memory and step time of a streaming run on `hw` (see the module docstring)."""
-  host = memory.host_bytes(cfg, optimizer, ec)
+  host = memory.host_bytes(cfg, optimizer, ec, on_cpu=hw.shared)
   dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
   t = _times(cfg, ec, hw, batch_size, seq_len)
   sizes = memory.unit_sizes(cfg)

@@ -16,6 +16,7 @@ from flax import nnx
 import megatrain_jax as mt
 from megatrain_jax import data as data_lib
 from megatrain_jax.engine import host_memory
+from megatrain_jax.engine import memory as engine_memory
 from megatrain_jax.engine import transport as transport_lib
 from conftest import TINY, random_batch
 
@@ -49,6 +50,7 @@ CASES = {
     "qkv_bias": (BASE.replace(qkv_bias=True), ADAMW, {}),
     "clip_chain": (BASE, CLIPPED, {}),
     "fused_adamw": (BASE, FUSED, {}),
+    "kept_copies": (BASE, ADAMW, dict(stream_copy="keep")),
     "split_clip_fused": (BASE, SPLIT_CLIP, {}),
     "split_clip_sgd_accum_tied": (BASE.replace(tie_embeddings=True), SPLIT_CLIP_SGD,
                                   dict(grad_accum=2)),
@@ -222,6 +224,11 @@ class _FailingLink(transport_lib.DeviceTransport):
       self._maybe_fail()
     return super().h2d(staged)
 
+  def h2d_cast(self, master, dtype):
+    if self.where == "h2d":
+      self._maybe_fail()
+    return super().h2d_cast(master, dtype)
+
   def d2h(self, device_array):
     if self.where == "d2h":
       self._maybe_fail()
@@ -277,6 +284,40 @@ def test_simulated_link_takes_its_time():
   t0 = time.perf_counter()
   link.h2d(x)
   assert time.perf_counter() - t0 >= 0.1
+  link.h2d_cast(x, jnp.bfloat16)  # compiles the cast
+  t0 = time.perf_counter()
+  out = link.h2d_cast(x, jnp.bfloat16)  # the link carries 0.5 MB of bf16: 0.05 s
+  dt = time.perf_counter() - t0
+  assert out.dtype == jnp.bfloat16 and 0.05 <= dt < 0.095
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_streaming_copy_kept_or_made_at_fetch_gives_the_same_bits(dtype):
+  # On the CPU backend "auto" makes each fetch's copy from the master; "keep" holds
+  # one in pinned host memory. The bits the compute sees are the same either way.
+  b = [random_batch(BASE, 2, 8, seed=s) for s in range(3)]
+  runs = {}
+  for mode in ("auto", "keep"):
+    ec = mt.EngineConfig(compute_dtype=dtype, stream_copy=mode)
+    with mt.StreamingTrainer.from_config(BASE, mt.optim.adamw(1e-2), ec,
+                                         jax.random.key(0)) as eng:
+      losses = [eng.step(x)["loss"] for x in b]
+      runs[mode] = (losses, eng.params(), eng.stats()["stream_copy"],
+                    eng._stream is None)
+  assert runs["auto"][2:] == ("on_fetch", True) and runs["keep"][2:] == ("keep", False)
+  assert runs["auto"][0] == runs["keep"][0]
+  jax.tree.map(np.testing.assert_array_equal, runs["auto"][1], runs["keep"][1])
+
+
+def test_host_bytes_count_streaming_copies_only_where_kept():
+  ec = mt.EngineConfig(compute_dtype=jnp.bfloat16)
+  n = BASE.param_count()
+  copies = lambda ec, **kw: engine_memory.host_bytes(BASE, optax.adamw(1e-3), ec,
+                                                      **kw)["pinned_copies"]
+  assert copies(ec) == 0  # this machine: the CPU backend
+  assert copies(ec, on_cpu=False) >= 2 * n  # an accelerator: bf16 copy of every unit
+  assert copies(mt.EngineConfig(stream_copy="keep")) >= 4 * n
+  assert copies(mt.EngineConfig(stream_copy="on_fetch"), on_cpu=False) == 0
 
 
 @pytest.mark.parametrize("kw, field", [
@@ -285,6 +326,7 @@ def test_simulated_link_takes_its_time():
     (dict(grad_accum=0), "grad_accum"),
     (dict(compute_dtype=jnp.float16), "compute_dtype"),
     (dict(optimizer_mode="fast"), "optimizer_mode"),
+    (dict(stream_copy="pinned"), "stream_copy"),
 ])
 def test_bad_engine_config(kw, field):
   with pytest.raises(ValueError, match=field):

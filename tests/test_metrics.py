@@ -1,8 +1,11 @@
 """Figures are computed from their stated formulas."""
 
+import types
+
 import pytest
 
 from megatrain_jax import benchmark, metrics
+from megatrain_jax.models.config import preset
 from conftest import TINY
 
 
@@ -102,3 +105,23 @@ def test_steady_step_times_times_the_second_step_of_each_turn(monkeypatch):
   t = benchmark.steady_step_times({"a": a, "b": b}, None, warmup=1, reps=3)
   assert t == {"a": 2, "b": 5}
   assert a.calls[:3] == ["step", "step", "wait"] and len(a.calls) == 12
+
+
+def test_host_bytes_per_param_formula(monkeypatch):
+  # (peak RSS of the training process - RSS before the model existed) / parameters.
+  monkeypatch.setattr(benchmark, "_rss_bytes", lambda: 1_000_000)
+  monkeypatch.setattr(benchmark.resource, "getrusage",
+                      lambda who: types.SimpleNamespace(ru_maxrss=5_000))  # KiB
+  out = benchmark.host_memory_child("tiny", steps=1)
+  n = preset("tiny").param_count()
+  assert out["rss_param_count"] == n
+  assert out["host_bytes_per_param"] == (5_000 * 1024 - 1_000_000) / n
+
+
+def test_host_memory_reports_both_streaming_copy_settings(monkeypatch):
+  runs = []
+  monkeypatch.setattr(benchmark, "_host_memory_run", lambda model, copy: (
+      runs.append((model, copy)) or {"host_bytes_per_param": {"auto": 13.0, "keep": 15.0}[copy]}))
+  out = benchmark.host_memory(benchmark.Suite(rss_model="tiny"))
+  assert runs == [("tiny", "auto"), ("tiny", "keep")]
+  assert out["host_bytes_per_param"] == 13.0 and out["host_bytes_per_param_kept_copies"] == 15.0

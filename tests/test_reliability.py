@@ -23,7 +23,7 @@ def _poison_master(trainer, unit):
   m = np.array(trainer.host_opt.masters[unit])
   m[0] = np.nan
   trainer.host_opt.load_state(unit, {**trainer.host_opt.copy_state(unit), "master": m})
-  trainer._set_stream(unit, trainer.host_opt.stream_copy(trainer.host_opt.masters[unit]))
+  trainer._master_changed(unit)
 
 
 def _nan_gradient(eng, nth):
@@ -63,7 +63,7 @@ def test_nan_loss_raises_and_changes_nothing(opt):
     # The trainer is still usable: repair the unit and train on.
     eng.host_opt.load_state(1, {**eng.host_opt.copy_state(1),
                                 "master": np.nan_to_num(np.array(eng.host_opt.masters[1]))})
-    eng._set_stream(1, eng.host_opt.stream_copy(eng.host_opt.masters[1]))
+    eng._master_changed(1)
     assert np.isfinite(eng.step(random_batch(TINY))["loss"])
 
 
@@ -165,10 +165,11 @@ def test_memory_arithmetic_matches_a_hand_count():
   sizes = [1000 * 64] + [block] * 3 + [64 + 64 * 1000]
   n = sum(sizes)
   assert memory.unit_sizes(cfg) == sizes and n == cfg.param_count()
-  host = memory.host_bytes(cfg, optax.adamw(1e-3), ec)
+  host = memory.host_bytes(cfg, optax.adamw(1e-3), ec, on_cpu=False)
   assert host["masters"] == 4 * n
   assert host["optimizer_state"] == 8 * n + 5 * 4  # mu, nu + an int32 count per unit
-  assert host["pinned_copies"] == 2 * (n + max(sizes))
+  assert host["pinned_copies"] == 2 * (n + max(sizes))  # kept on an accelerator
+  assert memory.host_bytes(cfg, optax.adamw(1e-3), ec, on_cpu=True)["pinned_copies"] == 0
   assert host["gradient_buffers"] == 5 * 4 * max(sizes)  # queued between the threads
   clipped = memory.host_bytes(cfg, optax.chain(optax.clip_by_global_norm(1.0),
                                                optax.adamw(1e-3)), ec)

@@ -215,8 +215,9 @@ class HostOptimizer:
     return self._jit(("cast", master.shape), lambda m: m.astype(cd),
                      out_shardings=self.stream_sharding)(master)
 
-  def update_all(self) -> list[jax.Array]:
-    """After the sweep: updates every unit from its accumulated gradient.
+  def update_all(self, stream: bool = True) -> list[jax.Array | None]:
+    """After the sweep: updates every unit from its accumulated gradient; returns
+    their new compute-dtype copies (Nones with `stream=False`).
 
     Whole-tree mode runs one update over the whole tree; clipped mode computes the
     global norm, then dispatches each unit's clip-and-update in unit order;
@@ -232,7 +233,7 @@ class HostOptimizer:
       if self.mode == "clipped":
         sumsq = [self._jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(a) for a in grads]
         norm = self._jit("norm", lambda s: jnp.sqrt(sum(s)))(sumsq)
-      return [self.update_unit(u, g, clip_norm=norm) for u, g in enumerate(grads)]
+      return [self.update_unit(u, g, stream, clip_norm=norm) for u, g in enumerate(grads)]
     opt = self.optimizer
 
     def update(masters, state, grads):
@@ -243,7 +244,7 @@ class HostOptimizer:
     fn = self._jit("update_all", update, donate_argnums=(0, 1))
     self._donating([*range(len(self.specs)), "optimizer"])
     self.masters, self.state = fn(self.masters, self.state, grads)
-    return [self.stream_copy(m) for m in self.masters]
+    return [self.stream_copy(m) if stream else None for m in self.masters]
 
   # -- state for checkpoints -------------------------------------------------
 

@@ -81,6 +81,19 @@ def prefetch_slots(cfg: LlamaConfig, ec) -> int:
   return held_units(cfg, ec) + ec.prefetch_depth
 
 
+def on_cpu_backend() -> bool:
+  """Whether the engine computes on the CPU backend (device memory is host RAM)."""
+  return jax.devices()[0].platform == "cpu"
+
+
+def keeps_stream_copy(ec, on_cpu: bool | None = None) -> bool:
+  """Whether a run keeps a compute-dtype copy of every unit in host memory
+  (`EngineConfig.stream_copy`; "auto" keeps it only on an accelerator)."""
+  if ec.stream_copy != "auto":
+    return ec.stream_copy == "keep"
+  return not (on_cpu_backend() if on_cpu is None else on_cpu)
+
+
 def optimizer_mode(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec) -> str:
   """The host optimizer mode the engine will run (see `resolve_mode`)."""
   trees = unit_trees(cfg)
@@ -88,7 +101,8 @@ def optimizer_mode(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec
   return resolve_mode(optimizer, trees, assemble, ec.optimizer_mode)[0]
 
 
-def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec) -> dict[str, int]:
+def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
+               on_cpu: bool | None = None) -> dict[str, int]:
   """Host bytes of a streaming run by kind, and their total.
 
   masters: fp32 parameters. optimizer_state: the transform's state (from
@@ -96,7 +110,9 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec) ->
   accumulators of the whole model when updates wait for the sweep (a transform
   needing the whole tree, nonfinite="skip") or grad_accum > 1; otherwise the
   gradients queued between the transfer and optimizer threads. pinned_copies:
-  the compute-dtype streaming copy of every unit, plus one unit being replaced.
+  the compute-dtype streaming copy of every unit, plus one unit being replaced,
+  when the run keeps them (`keeps_stream_copy`; on_cpu: whether it runs on the
+  CPU backend, default this process's backend).
   """
   trees = unit_trees(cfg)
   sizes = unit_sizes(cfg)
@@ -112,7 +128,7 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec) ->
       "masters": 4 * n,
       "optimizer_state": e + cfg.n_layers * b + h,
       "gradient_buffers": (4 * n if deferred or ec.grad_accum > 1 else 0) + queued,
-      "pinned_copies": cd * (n + max(sizes)),
+      "pinned_copies": cd * (n + max(sizes)) if keeps_stream_copy(ec, on_cpu) else 0,
   }
   out["total"] = sum(out.values())
   return out
@@ -203,7 +219,7 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
     host = host_bytes(cfg, optimizer, ec)
     dev = device_bytes(cfg, ec, batch_size, seq_len)
   host_limit = available_host_bytes() if host_limit is None else host_limit
-  on_cpu = jax.devices()[0].platform == "cpu"
+  on_cpu = on_cpu_backend()
   host_need = host["total"] + (dev["total"] if on_cpu else 0)
   if host_need > host_limit:
     raise ValueError(
@@ -211,7 +227,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
         f"{_parts(host)}" + (f", device-side arrays on the CPU backend "
                              f"{dev['total'] / GiB:.2f}" if on_cpu else "")
         + f"), but only {host_limit / GiB:.2f} GiB is available. Train a smaller model, "
-        "use bfloat16 compute (halves the pinned copies), keep grad_accum=1 with an "
+        "use bfloat16 compute (halves the pinned copies) or EngineConfig(stream_copy="
+        "'on_fetch') (none kept), keep grad_accum=1 with an "
         "element-wise optimizer such as AdamW (no gradient accumulators), or use a "
         "machine with more RAM.")
   limit = (ec.device_budget_bytes if ec is not None else None) or device_limit \

@@ -46,6 +46,7 @@ from megatrain_jax.models.loss import head_loss_sum
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("raise", "skip")
+STREAM_COPIES = ("auto", "keep", "on_fetch")
 # Trainers with threads: closed at exit, so the last step's updates finish before
 # the interpreter tears JAX down under them.
 _OPEN: "weakref.WeakSet[StreamingTrainer]" = weakref.WeakSet()
@@ -100,6 +101,13 @@ class EngineConfig:
     raises FloatingPointError (see `step`). "skip": the step is skipped and
     counted in `stats()["skipped_steps"]`; every update then waits for the whole
     sweep, so per-unit updates no longer overlap the backward.
+  stream_copy: where the compute-dtype copy a fetch moves comes from. "keep":
+    every unit's copy stays in pinned host memory, rewritten after each update,
+    and the fetch is one DMA from it (compute-dtype bytes per parameter of host
+    memory: 2 for bf16). "on_fetch": each fetch casts the fp32 master (no host
+    memory beyond masters and optimizer state; a host-side cast per fetch on an
+    accelerator). "auto": "on_fetch" on the CPU backend, where device memory is
+    host memory and a kept copy would only duplicate it; "keep" on an accelerator.
   """
 
   prefetch_depth: int = 2
@@ -114,6 +122,7 @@ class EngineConfig:
   timeout_s: float = 600.0
   return_freed_memory: bool = True
   nonfinite: str = "raise"
+  stream_copy: str = "auto"
 
   def __post_init__(self):
     if isinstance(self.compute_dtype, str):
@@ -136,6 +145,9 @@ class EngineConfig:
     if self.nonfinite not in NONFINITE:
       raise ValueError(f"EngineConfig.nonfinite={self.nonfinite!r} is not one of "
                        f"{NONFINITE}.")
+    if self.stream_copy not in STREAM_COPIES:
+      raise ValueError(f"EngineConfig.stream_copy={self.stream_copy!r} is not one of "
+                       f"{STREAM_COPIES}.")
 
 
 class _Counter:
@@ -233,15 +245,17 @@ class StreamingTrainer:
       raise ValueError(f"Expected {self.n_units} units (embed, {L} blocks, head), "
                        f"got {len(specs)}.")
     self.specs = specs
+    self._keep_copy = memory.keeps_stream_copy(
+        ec, on_cpu=self.transport.device.platform == "cpu")
     self.host_opt = HostOptimizer(
         optimizer, specs, masters, assemble=self._assemble, split=self._split,
         compute_dtype=self.cd, mode=ec.optimizer_mode,
         host_device=self.transport.host_device,
         stream_sharding=self.transport.stream_sharding())
-    logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s%s, compute %s.",
-                 self.n_units, sum(s.size for s in specs) / 1e6, self.host_opt.mode,
-                 " (fused AdamW)" if self.host_opt.fused else "",
-                 self.cd.name)
+    logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s%s, compute %s, "
+                 "streaming copies %s.", self.n_units, sum(s.size for s in specs) / 1e6,
+                 self.host_opt.mode, " (fused AdamW)" if self.host_opt.fused else "",
+                 self.cd.name, "kept" if self._keep_copy else "made at each fetch")
     # Updates wait for the whole sweep when the transform needs every gradient, or
     # when a non-finite step must be skippable.
     self._defer = self.host_opt.updates_after_sweep or ec.nonfinite == "skip"
@@ -253,8 +267,10 @@ class StreamingTrainer:
     self._done = [0] * self.n_units
     self._done_cond = threading.Condition()
     self._acc_ok: list[list[jax.Array]] = [[] for _ in specs]  # optimizer thread
-    self._stream = [self.transport.stage(self.host_opt.stream_copy(m))
-                    for m in self.host_opt.masters]
+    # The compute-dtype copy of each unit, kept in pinned host memory (None: each
+    # fetch casts the master instead).
+    self._stream = ([self.transport.stage(self.host_opt.stream_copy(m))
+                     for m in self.host_opt.masters] if self._keep_copy else None)
     self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
     # Gradients leave in the compute dtype, but the embedding's (a scatter-add) in fp32.
     self.grad_bytes = [s.size * (4 if u == self.EMBED else self.cd.itemsize)
@@ -358,7 +374,14 @@ class StreamingTrainer:
 
   def _fetch(self, u: int, step: int) -> jax.Array:
     self._await_update(u, step)
-    return self.transport.h2d(self._stream[u])
+    return self._to_device(u)
+
+  def _to_device(self, u: int) -> jax.Array:
+    """Unit u's compute-dtype copy in device memory: from its kept streaming
+    copy, or cast from its master."""
+    if self._stream is not None:
+      return self.transport.h2d(self._stream[u])
+    return self.transport.h2d_cast(self.host_opt.masters[u], self.cd)
 
   def _updated_for(self, u: int, step: int) -> bool:
     """Whether unit u's copy is the one step `step` computes with (every earlier
@@ -388,7 +411,7 @@ class StreamingTrainer:
       self._done_cond.notify_all()
 
   def _refresh_resident(self, u: int) -> None:
-    arr = self.transport.h2d(self._stream[u])
+    arr = self._to_device(u)
     self._resident[u] = arr
     self.ledger.add(("resident", u), arr.nbytes)
     self._resident_h2d_bytes += arr.nbytes  # optimizer thread; folded in at step end
@@ -442,9 +465,11 @@ class StreamingTrainer:
       if guard.bad is not None:
         self.host_opt.accum[u] = None
         return
-      new = self.host_opt.update_unit(u, g)
+      new = self.host_opt.update_unit(u, g, stream=self._keep_copy)
       guard.updated.append(u)
-      self._set_stream(u, new.block_until_ready())
+      # Done before the unit's next fetch is allowed (it reads the result).
+      jax.block_until_ready(new if new is not None else self.host_opt.masters[u])
+      self._set_stream(u, new)
     finally:
       guard.first_done.set()
 
@@ -467,10 +492,18 @@ class StreamingTrainer:
       self.prefetcher.cancel()
       self._next_started = False
 
-  def _set_stream(self, u: int, new_flat: jax.Array) -> None:
-    self._stream[u] = self.transport.stage(new_flat)
+  def _set_stream(self, u: int, new_flat: jax.Array | None) -> None:
+    """After unit u's master changed: keep its new streaming copy (None when
+    none is kept) and refresh its resident device copy, if any."""
+    if new_flat is not None:
+      self._stream[u] = self.transport.stage(new_flat)
     if u in self._resident:
       self._refresh_resident(u)
+
+  def _master_changed(self, u: int) -> None:
+    """Unit u's master was set outside an update (restore): remakes its copies."""
+    self._set_stream(u, self.host_opt.stream_copy(self.host_opt.masters[u])
+                     if self._keep_copy else None)
 
   def _send_grad(self, u: int, g: jax.Array, ok: jax.Array, last: bool) -> None:
     """Queues unit u's gradient (already in the ledger) for the link and the update."""
@@ -645,7 +678,7 @@ class StreamingTrainer:
         if bad is None:
           # Dispatched, not awaited: it runs on the host backend while the next step
           # starts, and each unit's next fetch waits for its new copy.
-          for u, new in enumerate(self.host_opt.update_all()):
+          for u, new in enumerate(self.host_opt.update_all(stream=self._keep_copy)):
             self._set_stream(u, new)
         self._mark_done(range(self.n_units), guard.step)
       else:
@@ -853,8 +886,8 @@ class StreamingTrainer:
     for n in self.host_opt.state_names():
       self.host_opt.load_state(n, read(self._state_key(n)))
     self._drop_gradients()
-    for u, m in enumerate(self.host_opt.masters):
-      self._set_stream(u, self.host_opt.stream_copy(m))
+    for u in range(self.n_units):
+      self._master_changed(u)
     self._stats["steps"] = int(step_count)
     with self._done_cond:  # every unit is now as of that step
       self._done = [int(step_count)] * self.n_units
@@ -876,6 +909,7 @@ class StreamingTrainer:
     out["prefetch_slots"] = self._slots
     out["optimizer_mode"] = self.host_opt.mode
     out["fused_optimizer"] = self.host_opt.fused
+    out["stream_copy"] = "keep" if self._keep_copy else "on_fetch"
     return out
 
   def close(self) -> None:

@@ -2,7 +2,9 @@
 
 `DeviceTransport` is the real path: the streaming copy of every unit lives in
 the accelerator's `pinned_host` memory, `h2d` is one `jax.device_put` into
-`device` memory, and gradients come back to the host backend with `d2h`.
+`device` memory, and gradients come back to the host backend with `d2h`. When
+no streaming copy is kept, `h2d_cast` makes the compute-dtype copy from the
+fp32 master at fetch time.
 `SimulatedLink` wraps it and adds the time a link of a given bandwidth would
 take (a sleep, which releases the GIL), so overlap is measurable on CPU.
 """
@@ -10,12 +12,22 @@ take (a sleep, which releases the GIL), so overlap is measurable on CPU.
 from __future__ import annotations
 
 import abc
+import functools
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 SingleDeviceSharding = jax.sharding.SingleDeviceSharding
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_into(sharding: jax.sharding.Sharding, dtype) -> jax.stages.Wrapped:
+  """A jitted copy of an array into `sharding`, cast to `dtype`: always a new
+  buffer (an fp32 master is donated by its next update, so the fetched copy
+  must not be the master itself)."""
+  return jax.jit(lambda m: jnp.array(m, dtype=dtype, copy=True), out_shardings=sharding)
 
 
 def _memory_kinds(device) -> set[str]:
@@ -46,6 +58,12 @@ class Transport(abc.ABC):
   @abc.abstractmethod
   def to_device(self, x) -> jax.Array:
     """Small inputs (token ids, labels) -> device memory."""
+
+  def h2d_cast(self, master: jax.Array, dtype) -> jax.Array:
+    """Host-backend fp32 master -> its `dtype` copy in device memory (the fetch
+    when no streaming copy is kept): cast on the host, then `stage` and `h2d`."""
+    host = SingleDeviceSharding(self.host_device)
+    return self.h2d(self.stage(_cast_into(host, jnp.dtype(dtype))(master)))
 
   def stream_sharding(self) -> jax.sharding.Sharding | None:
     """Where the host optimizer may write streaming copies directly, or None."""
@@ -78,6 +96,12 @@ class DeviceTransport(Transport):
   def h2d(self, staged):
     return jax.device_put(staged, self.on_device)
 
+  def h2d_cast(self, master, dtype):
+    if self.device == self.host_device:
+      # CPU backend: one XLA copy into `device` memory, which is host RAM.
+      return _cast_into(self.on_device, jnp.dtype(dtype))(master)
+    return super().h2d_cast(master, dtype)
+
   def d2h(self, device_array):
     if self.device == self.host_device:
       # CPU backend: `device` memory is host RAM already; no copy to make.
@@ -104,11 +128,12 @@ class SimulatedLink(Transport):
     self.device, self.host_device = self.base.device, self.base.host_device
     self._locks = {"h2d": threading.Lock(), "d2h": threading.Lock()}
 
-  def _move(self, direction: str, move, array):
+  def _move(self, direction: str, move, array, nbytes: int | None = None):
+    nbytes = array.nbytes if nbytes is None else nbytes
     with self._locks[direction]:
       t0 = time.perf_counter()
       out = move(array)
-      delay = array.nbytes / (self.gb_per_s * 1e9) - (time.perf_counter() - t0)
+      delay = nbytes / (self.gb_per_s * 1e9) - (time.perf_counter() - t0)
       if delay > 0:
         time.sleep(delay)
     return out
@@ -121,6 +146,11 @@ class SimulatedLink(Transport):
 
   def h2d(self, staged):
     return self._move("h2d", self.base.h2d, staged)
+
+  def h2d_cast(self, master, dtype):
+    # The link carries the compute-dtype copy, whichever side casts.
+    return self._move("h2d", lambda m: self.base.h2d_cast(m, dtype), master,
+                      nbytes=master.size * jnp.dtype(dtype).itemsize)
 
   def d2h(self, device_array):
     return self._move("d2h", self.base.d2h, device_array)
