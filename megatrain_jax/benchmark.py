@@ -276,13 +276,21 @@ def machine() -> dict[str, Any]:
           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
-def run_suite(s: Suite) -> dict[str, Any]:
+PARTS = {"steps": step_ratios, "link": link_ratios,
+         "host_optimizer": host_optimizer_bandwidth, "host_memory": host_memory}
+
+
+def run_suite(s: Suite, parts: tuple[str, ...] = tuple(PARTS)) -> dict[str, Any]:
+  """Runs the named parts of the suite (all by default) and merges their figures."""
+  unknown = [p for p in parts if p not in PARTS]
+  if unknown:
+    raise ValueError(f"Unknown benchmark parts {unknown}; choose from {list(PARTS)}.")
   out: dict[str, Any] = {"machine": machine(),
                          "model": dataclasses.asdict(s.model),
                          "batch_size": s.batch_size, "seq_len": s.seq_len,
-                         "reps": s.reps, "warmup": s.warmup}
-  for name, fn in (("steps", step_ratios), ("link", link_ratios),
-                   ("host optimizer", host_optimizer_bandwidth), ("host memory", host_memory)):
+                         "reps": s.reps, "warmup": s.warmup, "parts": list(parts)}
+  for name in parts:
+    fn = PARTS[name]
     t0 = time.perf_counter()
     out.update(fn(s))
     logging.info("bench %s done in %.0f s", name, time.perf_counter() - t0)

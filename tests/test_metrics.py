@@ -125,3 +125,15 @@ def test_host_memory_reports_both_streaming_copy_settings(monkeypatch):
   out = benchmark.host_memory(benchmark.Suite(rss_model="tiny"))
   assert runs == [("tiny", "auto"), ("tiny", "keep")]
   assert out["host_bytes_per_param"] == 13.0 and out["host_bytes_per_param_kept_copies"] == 15.0
+
+
+def test_run_suite_runs_the_named_parts_only(monkeypatch):
+  ran = []
+  monkeypatch.setattr(benchmark, "PARTS", {
+      "steps": lambda s: ran.append("steps") or {"stream_over_resident_remat": 1.0},
+      "link": lambda s: ran.append("link") or {"overlap_efficiency": 1.0}})
+  out = benchmark.run_suite(benchmark.Suite(model=TINY), ("link",))
+  assert ran == ["link"] and out["overlap_efficiency"] == 1.0 and out["parts"] == ["link"]
+  assert "stream_over_resident_remat" not in out
+  with pytest.raises(ValueError, match=r"Unknown benchmark parts \['step'\]"):
+    benchmark.run_suite(benchmark.Suite(model=TINY), ("step",))
