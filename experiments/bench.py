@@ -6,7 +6,8 @@ Writes one JSON object with stream_over_resident_remat, stream_over_resident,
 overlap_efficiency, no_prefetch_over_prefetch, host_opt_bw_ratio,
 host_bytes_per_param, and the sizes, times and machine behind them.
 `--suite=smoke` runs the same code on tiny sizes in about a minute (no goals).
-`--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory).
+`--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory;
+`templates`, a profile of the per-layer calls alone, runs only when named).
 The process restarts once with malloc asking for transparent huge pages (see
 `megatrain_jax/engine/host_memory.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """
@@ -22,7 +23,8 @@ from megatrain_jax.models.config import LlamaConfig
 flags.DEFINE_enum("suite", "cpu", ["cpu", "smoke"], "Which sizes to run.")
 flags.DEFINE_string("out", "bench.json", "Where to write the JSON result.")
 flags.DEFINE_integer("reps", None, "Timed repetitions per figure (default: the suite's).")
-flags.DEFINE_list("parts", list(benchmark.PARTS), "Parts of the suite to run.")
+flags.DEFINE_list("parts", list(benchmark.DEFAULT_PARTS),
+                  f"Parts of the suite to run, of {list(benchmark.PARTS)}.")
 FLAGS = flags.FLAGS
 
 SUITES = {

@@ -276,12 +276,54 @@ def machine() -> dict[str, Any]:
           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}
 
 
+def template_times(s: Suite) -> dict[str, Any]:
+  """What the per-layer calls cost by themselves: the streaming templates called one
+  after another on units already on the device (no engine threads, transfers or
+  updates) against the resident remat step, and each block template's XLA scratch
+  (allocated afresh by every call on the CPU backend)."""
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  remat = ResidentTrainer(Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-4), remat=True)
+  with StreamingTrainer(Llama(cfg, rngs=nnx.Rngs(0)), adamw(1e-4), EngineConfig()) as eng:
+    n = cfg.n_layers
+    ids, labels, mask = (eng.transport.to_device(batch[k])
+                         for k in ("input_ids", "labels", "loss_mask"))
+    units = [eng._to_device(u) for u in range(n + 2)]  # pylint: disable=protected-access
+    tied = units[0] if cfg.tie_embeddings else None
+    scale = jnp.float32(1.0 / batch["loss_mask"].sum())
+
+    def templates():
+      x, inputs = eng._embed_fwd(units[0], ids), []
+      for i in range(n):
+        inputs.append(x)
+        x = eng._block_fwd(units[1 + i], x)
+      _, g, _, g_e, _ = eng._head(units[n + 1], tied, x, labels, mask, scale)
+      for i in reversed(range(n)):
+        g, _, _ = eng._block_bwd(units[1 + i], inputs[i], g)
+      return eng._embed_bwd(ids, g, g_e)
+
+    t = median_times({"templates": templates, "remat": lambda: remat.step(batch)},
+                     s.warmup, s.reps)
+    x = eng._embed_fwd(units[0], ids)
+    scratch = {name: fn.lower(*args).compile().memory_analysis()
+               for name, fn, args in (("block_fwd", eng._block_fwd, (units[1], x)),
+                                      ("block_bwd", eng._block_bwd, (units[1], x, x)))}
+  return {"templates_step_time_s": t["templates"],
+          "templates_over_resident_remat": t["templates"] / t["remat"],
+          "templates_resident_remat_step_time_s": t["remat"],
+          **{f"{k}_scratch_bytes": getattr(m, "temp_size_in_bytes", None)
+             for k, m in scratch.items()}}
+
+
 PARTS = {"steps": step_ratios, "link": link_ratios,
-         "host_optimizer": host_optimizer_bandwidth, "host_memory": host_memory}
+         "host_optimizer": host_optimizer_bandwidth, "host_memory": host_memory,
+         "templates": template_times}
+# The parts behind the goals; "templates" is a profile, run on request.
+DEFAULT_PARTS = ("steps", "link", "host_optimizer", "host_memory")
 
 
-def run_suite(s: Suite, parts: tuple[str, ...] = tuple(PARTS)) -> dict[str, Any]:
-  """Runs the named parts of the suite (all by default) and merges their figures."""
+def run_suite(s: Suite, parts: tuple[str, ...] = DEFAULT_PARTS) -> dict[str, Any]:
+  """Runs the named parts of the suite (the goals' parts by default) and merges
+  their figures."""
   unknown = [p for p in parts if p not in PARTS]
   if unknown:
     raise ValueError(f"Unknown benchmark parts {unknown}; choose from {list(PARTS)}.")

@@ -2,6 +2,8 @@
 
 import types
 
+import jax
+
 import pytest
 
 from megatrain_jax import benchmark, metrics
@@ -137,3 +139,18 @@ def test_run_suite_runs_the_named_parts_only(monkeypatch):
   assert "stream_over_resident_remat" not in out
   with pytest.raises(ValueError, match=r"Unknown benchmark parts \['step'\]"):
     benchmark.run_suite(benchmark.Suite(model=TINY), ("step",))
+
+
+def test_template_profile_formula(monkeypatch):
+  calls = {}
+
+  def fake_median_times(fns, warmup, reps):
+    calls["out"] = [jax.block_until_ready(fn()) for fn in fns.values()]  # both run
+    return {"templates": 3.0, "remat": 2.0}
+
+  monkeypatch.setattr(benchmark, "median_times", fake_median_times)
+  out = benchmark.template_times(benchmark.Suite(model=TINY, batch_size=2, seq_len=8))
+  assert out["templates_over_resident_remat"] == pytest.approx(1.5)
+  g_embed, ok = calls["out"][0]  # the templates ran through to the embedding's gradient
+  assert g_embed.shape == (TINY.vocab_size * TINY.d_model,) and bool(ok)
+  assert out["block_fwd_scratch_bytes"] > 0 and out["block_bwd_scratch_bytes"] > 0

@@ -9,13 +9,14 @@ every large buffer its own mapping, returned to the system when freed.
 
 Fresh mappings cost a page fault per 4 KiB page on first touch. On the CPU
 backend XLA allocates every call's scratch with malloc (a block's backward at
-d_model 512 and 2K tokens: 235 MB), so an engine that runs one call per layer
+d_model 512 and 2K tokens: 232 MB), so an engine that runs one call per layer
 faults its scratch again in every call, where one jitted model step faults it
 once. With transparent huge pages a fault maps 2 MiB instead: the launchers
 re-execute themselves once with glibc's malloc asking for them
 (`use_huge_pages`), when the kernel offers them on request ("madvise" mode).
-Measured on a 2-core machine (d_model 512, 8 layers, 2K tokens per step):
-streaming step 6.3 s -> 5.5 s, resident step with remat 5.4 s -> 5.8 s.
+Measured by `experiments/bench.py` on a 2-core machine (d_model 512, 8 layers,
+2K tokens per step; docs/performance.md): streaming step 6.52 s without, 5.11 s
+with; resident step with remat 5.64 s without, 5.40 s with.
 """
 
 from __future__ import annotations
