@@ -1,5 +1,5 @@
-"""The accelerator check: link bandwidth by source kind, streaming vs resident, and the
-largest model host RAM holds.
+"""The accelerator check: link bandwidth by source kind, streaming vs resident, the cost
+of making the streaming copy at each fetch, and the largest model host RAM holds.
 
   bash experiments/gpu_check.sh            # on the GPU machine; writes $OUT/gpu_check.json
   python experiments/gpu_check.py --quick --out=/tmp/g.json   # tiny sizes, any machine
@@ -63,6 +63,22 @@ def link_bandwidth(nbytes: int, reps: int) -> dict:
   return out
 
 
+def stream_copy_cost(cfg: LlamaConfig, batch_size: int, seq_len: int, reps: int) -> dict:
+  """Streaming step time with each fetch casting the fp32 master (stream_copy="on_fetch",
+  2 B/param less host memory in bf16) over keeping the pinned copies (the accelerator
+  default), bf16 compute, timed side by side with the last updates waited for."""
+  batch = benchmark.synthetic_batch(cfg, batch_size, seq_len)
+  make = lambda mode: StreamingTrainer.from_config(
+      cfg, adamw(1e-5), EngineConfig(compute_dtype=jnp.bfloat16, stream_copy=mode),
+      jax.random.key(0))
+  with make("keep") as keep, make("on_fetch") as fetch:
+    t = benchmark.median_times({"keep": lambda: (keep.step(batch), keep.wait()),
+                                "on_fetch": lambda: (fetch.step(batch), fetch.wait())},
+                               1, reps)
+  return {"on_fetch_over_keep": t["on_fetch"] / t["keep"],
+          "keep_step_time_s": t["keep"], "on_fetch_step_time_s": t["on_fetch"]}
+
+
 def largest_model(cfg: LlamaConfig, batch_size: int, seq_len: int, steps: int,
                   peak_tflops: float) -> dict:
   batch = benchmark.synthetic_batch(cfg, batch_size, seq_len)
@@ -87,15 +103,27 @@ def main(argv):
   out = {"machine": benchmark.machine(), "peak_tflops": FLAGS.peak_tflops}
   out.update(link_bandwidth(2**20 if quick else 2**30, 3 if quick else 5))
   logging.info("link: %s", out)
+  save(out)
   fits = TINY if quick else FITS
   suite = benchmark.Suite(model=fits, batch_size=2 if quick else 4,
                           seq_len=64 if quick else 4096, warmup=1, reps=1 if quick else 3)
   ratios = benchmark.step_ratios(suite)
   out.update({f"fits_{k}": v for k, v in ratios.items()})
   logging.info("streaming / resident: %.3f", ratios["stream_over_resident_remat"])
+  save(out)
   big = TINY if quick else BIG
   out.update(largest_model(big, 2 if quick else 4, 64 if quick else 4096,
                            1 if quick else 3, FLAGS.peak_tflops))
+  save(out)
+  # Last, so that a run cut short by the time limit still has the figures above.
+  copies = stream_copy_cost(fits, suite.batch_size, suite.seq_len, suite.reps)
+  out.update({f"fits_{k}": v for k, v in copies.items()})
+  logging.info("streaming copy made at fetch / kept: %.3f", copies["on_fetch_over_keep"])
+  save(out)
+
+
+def save(out: dict) -> None:
+  """Writes what has been measured so far (each part adds to it)."""
   with open(FLAGS.out, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=2, sort_keys=True, default=str)
   logging.info("Wrote %s", FLAGS.out)

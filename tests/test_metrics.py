@@ -84,7 +84,8 @@ def test_gpu_check_script_runs_in_quick_mode(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
   d = json.loads(out.read_text())
   for key in ("h2d_gb_per_s_numpy_pageable", "h2d_gb_per_s_pinned_host",
-              "fits_stream_over_resident_remat", "big_tokens_per_s", "big_mfu"):
+              "fits_stream_over_resident_remat", "fits_on_fetch_over_keep",
+              "big_tokens_per_s", "big_mfu"):
     assert d[key] > 0, key
 
 
