@@ -379,7 +379,7 @@ class StreamingTrainer:
   def _to_device(self, u: int) -> jax.Array:
     """Unit u's compute-dtype copy in device memory: from its kept streaming
     copy, or cast from its master."""
-    if self._stream is not None:
+    if self._keep_copy:
       return self.transport.h2d(self._stream[u])
     return self.transport.h2d_cast(self.host_opt.masters[u], self.cd)
 
