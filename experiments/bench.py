@@ -6,8 +6,9 @@ Writes one JSON object with stream_over_resident_remat, stream_over_resident,
 overlap_efficiency, no_prefetch_over_prefetch, host_opt_bw_ratio,
 host_bytes_per_param, and the sizes, times and machine behind them.
 `--suite=smoke` runs the same code on tiny sizes in about a minute (no goals).
-`--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory;
-`templates`, a profile of the per-layer calls alone, runs only when named).
+`--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory).
+Two profiles run only when named: `templates`, the per-layer calls alone, and
+`host_optimizer_profile`, where the host AdamW's time goes.
 The process restarts once with malloc asking for transparent huge pages (see
 `megatrain_jax/engine/host_memory.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """
@@ -23,6 +24,8 @@ from megatrain_jax.models.config import LlamaConfig
 flags.DEFINE_enum("suite", "cpu", ["cpu", "smoke"], "Which sizes to run.")
 flags.DEFINE_string("out", "bench.json", "Where to write the JSON result.")
 flags.DEFINE_integer("reps", None, "Timed repetitions per figure (default: the suite's).")
+flags.DEFINE_integer("opt_slab", None, "Parameters per piece in the host-optimizer "
+                     "profile (default: the suite's).")
 flags.DEFINE_list("parts", list(benchmark.DEFAULT_PARTS),
                   f"Parts of the suite to run, of {list(benchmark.PARTS)}.")
 FLAGS = flags.FLAGS
@@ -32,7 +35,7 @@ SUITES = {
     "smoke": benchmark.Suite(
         model=LlamaConfig(vocab_size=260, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
                           d_ff=128, max_seq_len=128),
-        batch_size=2, seq_len=64, warmup=1, reps=3, opt_params=2**20, rss_model="small"),
+        batch_size=2, seq_len=64, warmup=1, reps=3, opt_params=2**20, opt_slab=2**16, rss_model="small"),
 }
 
 
@@ -43,6 +46,8 @@ def main(argv):
   suite = SUITES[FLAGS.suite]
   if FLAGS.reps:
     suite.reps = FLAGS.reps
+  if FLAGS.opt_slab:
+    suite.opt_slab = FLAGS.opt_slab
   try:
     result = benchmark.run_suite(suite, tuple(FLAGS.parts))
   except ValueError as e:

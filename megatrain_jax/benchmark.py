@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import platform
+import re
 import resource
 import statistics
 import subprocess
@@ -33,7 +35,7 @@ from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models import llama
 from megatrain_jax.models.llama import Llama
-from megatrain_jax.optim import adamw
+from megatrain_jax.optim import adamw, fused_adamw_update
 from megatrain_jax.resident import ResidentTrainer
 
 # The model the step-time ratios use: it fits on any device, and its layers are big
@@ -62,6 +64,7 @@ class Suite:
   warmup: int = 2
   reps: int = 7
   opt_params: int = 32 * 2**20
+  opt_slab: int = 2**20  # the host-optimizer profile's cache-sized pieces
   rss_model: str = "300m"
 
 
@@ -222,6 +225,85 @@ def host_optimizer_bandwidth(s: Suite) -> dict[str, Any]:
           "triad_gb_per_s": triad_bw / 1e9, "host_opt_params": n}
 
 
+def loop_fusions(compiled_hlo: str, n: int) -> int:
+  """Fusions in the entry computation of `compiled_hlo` that write an array of n
+  elements: on the CPU backend each is one pass over that array's memory."""
+  entry = compiled_hlo[compiled_hlo.index("\nENTRY"):]
+  shapes = re.findall(r"= \w+\[([\d,]*)\]\S* fusion\(", entry)
+  return sum(1 for dims in shapes
+             if math.prod(int(d) for d in dims.split(",") if d) == n)
+
+
+def host_optimizer_profile(s: Suite) -> dict[str, Any]:
+  """Where the host AdamW's time goes, against the same donated triad: the engine's
+  fused update and stock `optax.adamw` on one buffer; the fused update over
+  `s.opt_slab`-sized buffers, small enough that what one pass writes is still in
+  the last-level cache when the next reads it; and one such buffer updated over
+  and over (no DRAM traffic: the arithmetic's own ceiling). Also the number of
+  passes XLA makes over a buffer, and the bytes per parameter the fused update
+  moves if it runs at the triad's bandwidth."""
+  n, slab = s.opt_params, s.opt_slab
+  k = n // slab
+  host = jax.devices("cpu")[0]
+  normal = lambda size, seed: jax.jit(
+      lambda key: jax.random.normal(key, (size,), jnp.float32), device=host)(
+          jax.random.key(seed))
+  tx, stock_tx = adamw(1e-4), optax.adamw(1e-4)
+  init = jax.jit(tx.init)
+
+  def stock_update(p, state, g):
+    updates, state = stock_tx.update(g, state, p)
+    return optax.apply_updates(p, updates), state
+
+  fused = jax.jit(lambda p, state, g: fused_adamw_update(tx.hyper, p, g, state),
+                  donate_argnums=(0, 1))
+  stock = jax.jit(stock_update, donate_argnums=(0, 1))
+  triad = jax.jit(lambda b, c: b + jnp.float32(0.5) * c, donate_argnums=(0,))
+  grad = normal(n, 1)
+  whole = {name: [p, init(p)] for name, p in (("fused", normal(n, 2)), ("stock", normal(n, 3)))}
+  pieces = [[p, init(p), normal(slab, 100 + i)]
+            for i, p in enumerate(normal(slab, 200 + i) for i in range(k))]
+  cached = [normal(slab, 4), None, normal(slab, 5)]
+  cached[1] = init(cached[0])
+  tri = {"b": normal(n, 6), "c": normal(n, 7)}
+  passes = loop_fusions(fused.lower(*whole["fused"], grad).compile().as_text(), n)
+
+  def run_whole(name, fn):
+    def run():
+      box = whole[name]
+      box[0], box[1] = fn(box[0], box[1], grad)
+      return box
+    return run
+
+  def run_pieces():
+    for box in pieces:
+      box[0], box[1] = fused(*box)
+    return pieces
+
+  def run_cached():
+    for _ in range(k):
+      cached[0], cached[1] = fused(*cached)
+    return cached
+
+  def run_triad():
+    tri["b"] = triad(tri["b"], tri["c"])
+    return tri["b"]
+
+  t = median_times({"fused": run_whole("fused", fused), "stock": run_whole("stock", stock),
+                    "slabs": run_pieces, "in_cache": run_cached, "triad": run_triad},
+                   s.warmup, 3 * s.reps)
+  triad_bw = TRIAD_BYTES_PER_ELEMENT * n / t["triad"]
+  ratio = lambda key: ADAMW_BYTES_PER_PARAM * k * slab / t[key] / triad_bw
+  return {"host_opt_profile_passes": passes,
+          "host_opt_profile_bytes_per_param_at_triad_bw": t["fused"] * triad_bw / n,
+          "host_opt_profile_fused_bw_ratio": ADAMW_BYTES_PER_PARAM * n / t["fused"] / triad_bw,
+          "host_opt_profile_stock_bw_ratio": ADAMW_BYTES_PER_PARAM * n / t["stock"] / triad_bw,
+          "host_opt_profile_slabs_bw_ratio": ratio("slabs"),
+          "host_opt_profile_in_cache_bw_ratio": ratio("in_cache"),
+          "host_opt_profile_slab_params": slab,
+          "host_opt_profile_triad_gb_per_s": triad_bw / 1e9}
+
+
 def _rss_bytes() -> int:
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -316,8 +398,9 @@ def template_times(s: Suite) -> dict[str, Any]:
 
 PARTS = {"steps": step_ratios, "link": link_ratios,
          "host_optimizer": host_optimizer_bandwidth, "host_memory": host_memory,
-         "templates": template_times}
-# The parts behind the goals; "templates" is a profile, run on request.
+         "templates": template_times, "host_optimizer_profile": host_optimizer_profile}
+# The parts behind the goals; "templates" and "host_optimizer_profile" are
+# profiles, run on request.
 DEFAULT_PARTS = ("steps", "link", "host_optimizer", "host_memory")
 
 

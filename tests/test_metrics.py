@@ -3,6 +3,7 @@
 import types
 
 import jax
+import jax.numpy as jnp
 
 import pytest
 
@@ -33,6 +34,40 @@ def test_host_opt_ratio_formula(monkeypatch):
   # (28 B x n / 2 s) / (12 B x n / 1 s)
   assert out["host_opt_bw_ratio"] == pytest.approx(28 / 2 / 12)
   assert out["host_update_with_stream_copy_bw_ratio"] == pytest.approx(28 / 4 / 12)
+
+
+def test_loop_fusions_counts_the_passes_over_a_buffer():
+  n = 4096
+  x = jnp.arange(n, dtype=jnp.float32)
+  hlo = lambda fn: jax.jit(fn).lower(x).compile().as_text()
+  assert benchmark.loop_fusions(hlo(lambda b: b * 0.5 + 1.0), n) == 1
+  # Two arrays of n written (the CPU backend makes no multi-output fusion), and a
+  # reduction whose scalar output is not a pass over n elements.
+  two = hlo(lambda b: (jnp.sin(b) * 2.0, jnp.cos(b) + 1.0, jnp.sum(b * b)))
+  assert benchmark.loop_fusions(two, n) == 2
+  assert benchmark.loop_fusions(two, n + 1) == 0
+
+
+def test_host_optimizer_profile_formulas(monkeypatch):
+  ran = {}
+
+  def fake_median_times(fns, warmup, reps):
+    ran.update({k: jax.block_until_ready(fn()) for k, fn in fns.items()})
+    return {"fused": 2.0, "stock": 4.0, "slabs": 1.0, "in_cache": 0.5, "triad": 1.0}
+
+  monkeypatch.setattr(benchmark, "median_times", fake_median_times)
+  n, slab = 4096, 1024
+  out = benchmark.host_optimizer_profile(benchmark.Suite(opt_params=n, opt_slab=slab))
+  triad_bw = 12 * n / 1.0
+  assert out["host_opt_profile_fused_bw_ratio"] == pytest.approx(28 * n / 2.0 / triad_bw)
+  assert out["host_opt_profile_stock_bw_ratio"] == pytest.approx(28 * n / 4.0 / triad_bw)
+  assert out["host_opt_profile_slabs_bw_ratio"] == pytest.approx(28 * n / 1.0 / triad_bw)
+  assert out["host_opt_profile_in_cache_bw_ratio"] == pytest.approx(28 * n / 0.5 / triad_bw)
+  # The fused update's time at the triad's bandwidth, in bytes per parameter.
+  assert out["host_opt_profile_bytes_per_param_at_triad_bw"] == pytest.approx(2.0 * 12)
+  assert 1 <= out["host_opt_profile_passes"] <= 3  # it writes three arrays of n
+  assert len(ran["slabs"]) == n // slab and ran["slabs"][0][0].shape == (slab,)
+  assert int(ran["fused"][1][0].count) == 1  # each timed update ran once, donated
 
 
 def test_step_ratio_formula(monkeypatch):
