@@ -243,11 +243,18 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
   passes XLA makes over a buffer, and the bytes per parameter the fused update
   moves if it runs at the triad's bandwidth."""
   n, slab = s.opt_params, s.opt_slab
+  if not 0 < slab <= n:
+    raise ValueError(f"opt_slab={slab} must be between 1 and opt_params={n}.")
   k = n // slab
   host = jax.devices("cpu")[0]
-  normal = lambda size, seed: jax.jit(
-      lambda key: jax.random.normal(key, (size,), jnp.float32), device=host)(
-          jax.random.key(seed))
+  fills: dict[int, Callable] = {}
+
+  def normal(size: int, seed: int) -> jax.Array:  # made by XLA, so it can be donated
+    if size not in fills:
+      fills[size] = jax.jit(lambda key: jax.random.normal(key, (size,), jnp.float32),
+                            device=host)
+    return fills[size](jax.random.key(seed))
+
   tx, stock_tx = adamw(1e-4), optax.adamw(1e-4)
   init = jax.jit(tx.init)
 
@@ -261,8 +268,10 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
   triad = jax.jit(lambda b, c: b + jnp.float32(0.5) * c, donate_argnums=(0,))
   grad = normal(n, 1)
   whole = {name: [p, init(p)] for name, p in (("fused", normal(n, 2)), ("stock", normal(n, 3)))}
-  pieces = [[p, init(p), normal(slab, 100 + i)]
-            for i, p in enumerate(normal(slab, 200 + i) for i in range(k))]
+  pieces = []  # [master, state, gradient] of each piece
+  for i in range(k):
+    p = normal(slab, 100 + i)
+    pieces.append([p, init(p), normal(slab, 200 + i)])
   cached = [normal(slab, 4), None, normal(slab, 5)]
   cached[1] = init(cached[0])
   tri = {"b": normal(n, 6), "c": normal(n, 7)}

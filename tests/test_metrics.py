@@ -68,6 +68,8 @@ def test_host_optimizer_profile_formulas(monkeypatch):
   assert 1 <= out["host_opt_profile_passes"] <= 3  # it writes three arrays of n
   assert len(ran["slabs"]) == n // slab and ran["slabs"][0][0].shape == (slab,)
   assert int(ran["fused"][1][0].count) == 1  # each timed update ran once, donated
+  with pytest.raises(ValueError, match="opt_slab=8192 must be between 1 and opt_params=4096"):
+    benchmark.host_optimizer_profile(benchmark.Suite(opt_params=n, opt_slab=2 * n))
 
 
 def test_step_ratio_formula(monkeypatch):
