@@ -87,7 +87,8 @@ def test_step_ratio_formula(monkeypatch):
 def test_link_ratio_formulas(monkeypatch):
   monkeypatch.setattr(benchmark, "median_times", lambda fns, warmup, reps: {"c": 2.0})
   monkeypatch.setattr(benchmark, "steady_step_times",
-                      lambda trainers, batch, warmup, reps: {"prefetch": 2.5, "none": 4.0})
+                      lambda trainers, batch, warmup, reps: {"prefetch": 2.5, "none": 4.0,
+                                                             "deeper": 2.0})
   monkeypatch.setattr(benchmark, "layer_backward_time", lambda *a: 0.1)
 
   class FakeTrainer:
@@ -107,6 +108,8 @@ def test_link_ratio_formulas(monkeypatch):
   assert out["link_transfer_s"] == pytest.approx(3.0)
   assert out["overlap_efficiency"] == pytest.approx(3.0 / 2.5)
   assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)
+  assert out["overlap_efficiency_deeper_prefetch"] == pytest.approx(3.0 / 2.0)
+  assert out["link_deeper_prefetch_depth"] == benchmark.EngineConfig().prefetch_depth + 1
 
 
 def test_gpu_check_script_runs_in_quick_mode(tmp_path):
