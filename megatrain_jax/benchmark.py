@@ -8,6 +8,7 @@ call is never timed).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -197,6 +198,19 @@ def link_ratios(s: Suite) -> dict[str, Any]:
   }
 
 
+@functools.lru_cache(maxsize=None)
+def _normal_fill(size: int) -> Callable:
+  return jax.jit(lambda key: jax.random.normal(key, (size,), jnp.float32),
+                 device=jax.devices("cpu")[0])
+
+
+def host_normal(size: int, seed: int) -> jax.Array:
+  """`size` fp32 normals on the CPU backend, in a buffer XLA made itself (a numpy
+  source may be aliased, and an aliased buffer cannot be donated, which would time
+  page faults instead of bandwidth)."""
+  return _normal_fill(size)(jax.random.key(seed))
+
+
 def donated_triad() -> Callable:
   """The reference for host bandwidth: `a = b + s*c`, jitted, with b donated, so it
   is written in place (TRIAD_BYTES_PER_ELEMENT per element)."""
@@ -208,15 +222,12 @@ def host_optimizer_bandwidth(s: Suite) -> dict[str, Any]:
   n = s.opt_params
   host = jax.devices("cpu")[0]
   spec = FlatSpec({"w": np.zeros((n,), np.float32)})
-  # Buffers made by XLA itself (a numpy source may be aliased, and aliased buffers
-  # cannot be donated, which would time page faults instead of bandwidth).
-  normal = jax.jit(lambda k: jax.random.normal(k, (n,), jnp.float32), device=host)
-  opt = HostOptimizer(adamw(1e-4), [spec], [normal(jax.random.key(0))],
+  opt = HostOptimizer(adamw(1e-4), [spec], [host_normal(n, 0)],
                       assemble=lambda u: u[0], split=lambda t: [t], compute_dtype=jnp.float32,
                       mode="per_unit", host_device=host)
-  grad = normal(jax.random.key(1))
+  grad = host_normal(n, 1)
   triad = donated_triad()
-  state = {"b": normal(jax.random.key(2)), "c": normal(jax.random.key(3))}
+  state = {"b": host_normal(n, 2), "c": host_normal(n, 3)}
 
   def run_triad():
     state["b"] = triad(state["b"], state["c"])
@@ -261,15 +272,6 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
   if not 0 < slab <= n:
     raise ValueError(f"opt_slab={slab} must be between 1 and opt_params={n}.")
   k = n // slab
-  host = jax.devices("cpu")[0]
-  fills: dict[int, Callable] = {}
-
-  def normal(size: int, seed: int) -> jax.Array:  # made by XLA, so it can be donated
-    if size not in fills:
-      fills[size] = jax.jit(lambda key: jax.random.normal(key, (size,), jnp.float32),
-                            device=host)
-    return fills[size](jax.random.key(seed))
-
   tx, stock_tx = adamw(1e-4), optax.adamw(1e-4)
   init = jax.jit(tx.init)
 
@@ -281,15 +283,16 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
                   donate_argnums=(0, 1))
   stock = jax.jit(stock_update, donate_argnums=(0, 1))
   triad = donated_triad()
-  grad = normal(n, 1)
-  whole = {name: [p, init(p)] for name, p in (("fused", normal(n, 2)), ("stock", normal(n, 3)))}
+  grad = host_normal(n, 1)
+  whole = {name: [p, init(p)]
+           for name, p in (("fused", host_normal(n, 2)), ("stock", host_normal(n, 3)))}
   pieces = []  # [master, state, gradient] of each piece
   for i in range(k):
-    p = normal(slab, 100 + i)
-    pieces.append([p, init(p), normal(slab, 200 + i)])
-  p = normal(slab, 4)
-  cached = [p, init(p), normal(slab, 5)]
-  tri = {"b": normal(n, 6), "c": normal(n, 7)}
+    p = host_normal(slab, 100 + i)
+    pieces.append([p, init(p), host_normal(slab, 200 + i)])
+  p = host_normal(slab, 4)
+  cached = [p, init(p), host_normal(slab, 5)]
+  tri = {"b": host_normal(n, 6), "c": host_normal(n, 7)}
   passes = loop_fusions(fused.lower(*whole["fused"], grad).compile().as_text(), n)
 
   def run_whole(name, fn):

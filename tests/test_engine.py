@@ -304,9 +304,12 @@ def test_streaming_copy_kept_or_made_at_fetch_gives_the_same_bits(dtype):
     with mt.StreamingTrainer.from_config(BASE, mt.optim.adamw(1e-2), ec,
                                          jax.random.key(0)) as eng:
       losses = [eng.step(x)["loss"] for x in b]
-      runs[mode] = (losses, eng.params(), eng.stats()["stream_copy"],
-                    eng._stream is None)
-  assert runs["auto"][2:] == ("on_fetch", True) and runs["keep"][2:] == ("keep", False)
+      st = eng.stats()
+      kept = 0 if eng._stream is None else sum(x.nbytes for x in eng._stream)
+      runs[mode] = (losses, eng.params(), st["stream_copy"], st["stream_bytes"], kept)
+  n_bytes = BASE.param_count() * jnp.dtype(dtype).itemsize
+  assert runs["auto"][2:] == ("on_fetch", 0, 0)
+  assert runs["keep"][2:] == ("keep", n_bytes, n_bytes)
   assert runs["auto"][0] == runs["keep"][0]
   jax.tree.map(np.testing.assert_array_equal, runs["auto"][1], runs["keep"][1])
 

@@ -905,7 +905,8 @@ class StreamingTrainer:
     out["last_step"] = dict(self._last)
     out["param_count"] = int(sum(s.size for s in self.specs))
     out["layer_bytes"] = int(self.unit_bytes[1]) if self.cfg.n_layers else 0
-    out["stream_bytes"] = int(sum(self.unit_bytes))
+    # Host bytes of the kept streaming copies (none when each fetch casts the master).
+    out["stream_bytes"] = int(sum(self.unit_bytes)) if self._keep_copy else 0
     out["prefetch_slots"] = self._slots
     out["optimizer_mode"] = self.host_opt.mode
     out["fused_optimizer"] = self.host_opt.fused
