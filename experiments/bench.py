@@ -35,7 +35,8 @@ SUITES = {
     "smoke": benchmark.Suite(
         model=LlamaConfig(vocab_size=260, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
                           d_ff=128, max_seq_len=128),
-        batch_size=2, seq_len=64, warmup=1, reps=3, opt_params=2**20, opt_slab=2**16, rss_model="small"),
+        batch_size=2, seq_len=64, warmup=1, reps=3, opt_params=2**20, opt_slab=2**16,
+        rss_model="small"),
 }
 
 
