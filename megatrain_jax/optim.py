@@ -59,23 +59,58 @@ def fused_adamw_update(h: AdamWHyper, params, grads, state):
   Returns (new_params, new_state).
   """
   adam_state, decay_state, lr_state = state
-  count_inc = optax.safe_increment(adam_state.count)
-  mu = (1 - h.b1) * (grads ** 1) + h.b1 * adam_state.mu
-  nu = (1 - h.b2) * (grads ** 2) + h.b2 * adam_state.nu
-  mu_hat = mu / (1 - h.b1 ** count_inc).astype(mu.dtype)
-  nu_hat = nu / (1 - h.b2 ** count_inc).astype(nu.dtype)
+  scalars, new_lr_state = adamw_scalars(h, adam_state.count, lr_state)
+  mu, nu = adamw_moments(h, grads, adam_state.mu, adam_state.nu)
+  new_params = adamw_params(h, params, mu, nu, scalars)
+  new_state = (adam_state._replace(count=scalars.count, mu=mu, nu=nu), decay_state, new_lr_state)
+  return new_params, new_state
+
+
+class AdamWScalars(NamedTuple):
+  """The per-step scalars of an AdamW update (the same for every element)."""
+  count: Any  # the incremented step count
+  bias1: Any  # 1 - b1 ** count, as an fp32 scalar
+  bias2: Any
+  step_size: Any  # -learning_rate: a Python float, or an fp32 array for a schedule
+
+
+def adamw_scalars(h: AdamWHyper, count, lr_state):
+  """optax.adamw's scalars for the step after `count`; returns (scalars, new lr_state)."""
+  count_inc = optax.safe_increment(count)
+  bias1 = (1 - h.b1 ** count_inc).astype(jnp.float32)
+  bias2 = (1 - h.b2 ** count_inc).astype(jnp.float32)
+  if callable(h.learning_rate):
+    step_size = jnp.array(-h.learning_rate(lr_state.count), dtype=jnp.float32)
+    lr_state = lr_state._replace(count=optax.safe_increment(lr_state.count))
+  else:
+    step_size = -h.learning_rate
+  return AdamWScalars(count_inc, bias1, bias2, step_size), lr_state
+
+
+def adamw_moments(h: AdamWHyper, grads, mu, nu):
+  """The new first and second moments, as optax.scale_by_adam computes them."""
+  mu = (1 - h.b1) * (grads ** 1) + h.b1 * mu
+  nu = (1 - h.b2) * (grads ** 2) + h.b2 * nu
+  return mu, nu
+
+
+def adamw_params(h: AdamWHyper, params, mu, nu, s: AdamWScalars, in_loop: bool = False):
+  """The new parameters from the new moments, as optax.adamw then apply_updates.
+
+  With `in_loop`, the same bits from inside a loop body. XLA's CPU backend turns
+  optax's `mu / bias1` into `mu * (1 / bias1)` when it compiles the whole update,
+  but keeps the division inside a loop, and there rewrites `(mu / bias1) / d` as
+  `mu / (bias1 * d)`; the loop form states the first rewrite itself.
+  """
+  if in_loop:
+    mu_hat, nu_hat = mu * (1 / s.bias1), nu * (1 / s.bias2)
+  else:
+    mu_hat, nu_hat = mu / s.bias1, nu / s.bias2
   u = mu_hat / (jnp.sqrt(nu_hat + h.eps_root) + h.eps)
   if h.weight_decay != 0.0:  # optax skips a zero constant decay
     u = u + h.weight_decay * params
-  if callable(h.learning_rate):
-    step_size = -h.learning_rate(lr_state.count)
-    u = u * jnp.array(step_size, dtype=u.dtype)
-    lr_state = lr_state._replace(count=optax.safe_increment(lr_state.count))
-  else:
-    u = u * (-h.learning_rate)
-  new_params = jnp.asarray(params + u).astype(jnp.asarray(params).dtype)
-  new_state = (adam_state._replace(count=count_inc, mu=mu, nu=nu), decay_state, lr_state)
-  return new_params, new_state
+  u = u * s.step_size
+  return jnp.asarray(params + u).astype(jnp.asarray(params).dtype)
 
 
 class ClipThen(NamedTuple):

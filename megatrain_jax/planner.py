@@ -186,7 +186,7 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
 
   def update():
     opt.update_unit(0, g, stream=False)
-    return opt.masters[0]
+    return opt.parts[0]
 
   host_opt = 28 * n / _median_time(update, reps)
   shared = dev.platform == "cpu"

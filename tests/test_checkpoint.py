@@ -62,6 +62,26 @@ def test_streaming_resume_is_exact(tmp_path, name):
     assert _same_params(b.params(), final)
 
 
+def test_resume_under_another_split_of_the_host_update_is_exact(tmp_path):
+  # A checkpoint holds each unit whole, whatever number of parts its update ran in.
+  batches = _batches(4)
+  split = lambda threads: mt.EngineConfig(host_threads=threads, host_chunk=64)
+  make = lambda threads, seed: mt.StreamingTrainer.from_config(
+      TINY, mt.optim.adamw(1e-2), split(threads), jax.random.key(seed))
+  with make(3, 0) as a:
+    assert max(len(p) for p in a.host_opt.parts) == 3
+    a.step(batches[0])
+    mgr = ckpt_lib.CheckpointManager(str(tmp_path))
+    mgr.save(a, SETTINGS)
+    want = [a.step(b)["loss"] for b in batches[1:]]
+    mgr.wait()
+    final = a.params()
+  with make(1, 1) as b:
+    ckpt_lib.CheckpointManager(str(tmp_path)).restore_latest(b, SETTINGS)
+    assert [b.step(x)["loss"] for x in batches[1:]] == want
+    assert _same_params(b.params(), final)
+
+
 def test_resident_resume_is_exact(tmp_path):
   batches = _batches(4)
   a = mt.ResidentTrainer(mt.Llama(TINY, rngs=nnx.Rngs(0)), optax.adamw(1e-2))

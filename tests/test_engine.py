@@ -49,13 +49,15 @@ CASES = {
                            dict(stream_embed_head=False)),
     "qkv_bias": (BASE.replace(qkv_bias=True), ADAMW, {}),
     "clip_chain": (BASE, CLIPPED, {}),
-    "fused_adamw": (BASE, FUSED, {}),
+    "fused_adamw_parts": (BASE, FUSED, dict(host_threads=3, host_chunk=64)),
     "kept_copies": (BASE, ADAMW, dict(stream_copy="keep")),
     "split_clip_fused": (BASE, SPLIT_CLIP, {}),
+    "split_clip_fused_parts": (BASE, SPLIT_CLIP, dict(host_threads=2, host_chunk=100)),
     "split_clip_sgd_accum_tied": (BASE.replace(tie_embeddings=True), SPLIT_CLIP_SGD,
                                   dict(grad_accum=2)),
     "fused_adamw_accum_tied": (BASE.replace(tie_embeddings=True), FUSED,
-                               dict(grad_accum=2, prefetch_depth=1)),
+                               dict(grad_accum=2, prefetch_depth=1, host_threads=2,
+                                    host_chunk=256)),
     "clip_accum_ckpt2": (BASE.replace(tie_embeddings=True), CLIPPED,
                          dict(grad_accum=2, checkpoint_every=2, prefetch_depth=1)),
 }
@@ -78,6 +80,8 @@ def test_matches_resident_fp32(name):
     expected = {CLIPPED: "whole_tree", SPLIT_CLIP: "clipped", SPLIT_CLIP_SGD: "clipped"}
     assert eng.stats()["optimizer_mode"] == expected.get(opt, "per_unit")
     assert eng.stats()["fused_optimizer"] == (opt in (FUSED, SPLIT_CLIP))
+    if "host_threads" in kw:  # the fused update ran in that many parts
+      assert max(len(p) for p in eng.host_opt.parts) == kw["host_threads"]
 
 
 def test_next_step_overlaps_the_last_updates():
@@ -284,13 +288,15 @@ def test_simulated_link_takes_its_time():
   t0 = time.perf_counter()
   link.h2d(x)
   assert time.perf_counter() - t0 >= 0.1
-  # A fetch that casts the fp32 master is charged the bf16 bytes the link carries.
+  # A fetch that joins and casts the fp32 master's parts is charged the bf16 bytes
+  # the link carries.
   charged = []
   move = link._move
   link._move = lambda d, fn, arr, nbytes=None: (charged.append(nbytes), move(d, fn, arr, nbytes))[1]
-  out = link.h2d_cast(x, jnp.bfloat16)
-  assert out.dtype == jnp.bfloat16 and charged == [x.size * 2]
-  np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(x))
+  parts = (jnp.arange(3.0), jnp.arange(3.0, 10.0))
+  out = link.h2d_cast(parts, jnp.bfloat16)
+  assert out.dtype == jnp.bfloat16 and charged == [10 * 2]
+  np.testing.assert_array_equal(np.asarray(out, np.float32), np.arange(10.0))
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -332,6 +338,8 @@ def test_host_bytes_count_streaming_copies_only_where_kept():
     (dict(compute_dtype=jnp.float16), "compute_dtype"),
     (dict(optimizer_mode="fast"), "optimizer_mode"),
     (dict(stream_copy="pinned"), "stream_copy"),
+    (dict(host_threads=0), "host_threads"),
+    (dict(host_chunk=2.5), "host_chunk"),
 ])
 def test_bad_engine_config(kw, field):
   with pytest.raises(ValueError, match=field):

@@ -20,7 +20,7 @@ def _same_params(a, b):
 
 def _poison_master(trainer, unit):
   """Puts a NaN into one unit's fp32 master (and its streaming copy)."""
-  m = np.array(trainer.host_opt.masters[unit])
+  m = np.array(trainer.host_opt.master(unit))
   m[0] = np.nan
   trainer.host_opt.load_state(unit, {**trainer.host_opt.copy_state(unit), "master": m})
   trainer._master_changed(unit)
@@ -62,7 +62,7 @@ def test_nan_loss_raises_and_changes_nothing(opt):
     assert eng.step_count == 0
     # The trainer is still usable: repair the unit and train on.
     eng.host_opt.load_state(1, {**eng.host_opt.copy_state(1),
-                                "master": np.nan_to_num(np.array(eng.host_opt.masters[1]))})
+                                "master": np.nan_to_num(np.array(eng.host_opt.master(1)))})
     eng._master_changed(1)
     assert np.isfinite(eng.step(random_batch(TINY))["loss"])
 

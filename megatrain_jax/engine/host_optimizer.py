@@ -9,10 +9,18 @@ unit as soon as its gradient is on the host, while the backward goes on. A
 transform that needs the whole tree (`clip_by_global_norm`, anything mixing
 leaves) must see every gradient first; `probe_separable` tells the two apart by
 running both ways on a miniature copy of the model's tree.
+
+`mt.optim.adamw` runs fused, and in parallel over parts: each unit's master and
+moments are held as one contiguous part per host thread, and each thread updates
+its part in place, a cache-sized chunk at a time, so p, m and v cross memory once.
+(XLA's CPU backend compiles the whole-buffer update into three passes over memory,
+and runs an in-place loop on one core; see docs/performance.md.)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -21,9 +29,74 @@ import numpy as np
 import optax
 
 from megatrain_jax.engine.flat import FlatSpec
-from megatrain_jax.optim import AdamW, ClipThen, clip_with_norm, fused_adamw_update
+from megatrain_jax.optim import (AdamW, AdamWHyper, ClipThen, adamw_moments, adamw_params,
+                                  adamw_scalars, clip_with_norm, fused_adamw_update)
 
 MODES = ("auto", "per_unit", "whole_tree")
+# Elements per step of the fused update's loop: p, g, m and v of one chunk (512 KiB
+# at 2**15) stay in a core's L2 cache between reading and writing them.
+CHUNK = 2**15
+
+
+def host_threads() -> int:
+  """The CPUs this process may run on."""
+  try:
+    return len(os.sched_getaffinity(0))
+  except AttributeError:  # not Linux
+    return os.cpu_count() or 1
+
+
+def part_bounds(size: int, parts: int, chunk: int) -> list[tuple[int, int]]:
+  """[lo, hi) of up to `parts` contiguous parts of a `size`-element buffer, each a
+  whole number of chunks (the last one takes the remainder), none empty."""
+  full = size // chunk
+  k = max(1, min(parts, full))
+  cuts = [j * full // k * chunk for j in range(k)] + [size]
+  return list(zip(cuts[:-1], cuts[1:]))
+
+
+def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
+                         max_norm: float | None = None) -> Callable:
+  """The fused AdamW update of one part, in place, chunk by chunk.
+
+  Returns `update(part, state, grad, acc, norm) -> (part, state)`: `part` and
+  `state` (optax.adamw's state for `part`) are elements [lo, lo + part.size) of a
+  unit whose whole gradient is `grad` (plus the accumulated `acc`, when not None;
+  clipped by the global `norm`, when not None). Every element goes through the same
+  operations as `fused_adamw_update`, so the result is the same, bit for bit.
+  """
+
+  def update(part, state, grad, acc, norm):
+    adam, decay, lr_state = state
+    s, lr_state = adamw_scalars(h, adam.count, lr_state)
+    at = lambda x, o, n: jax.lax.dynamic_slice(x, (o,), (n,))
+
+    def step(o, n, pmv):
+      p, mu, nu = pmv
+      g = at(grad, lo + o, n).astype(jnp.float32)
+      if acc is not None:
+        g = at(acc, lo + o, n) + g
+      if norm is not None:
+        g = clip_with_norm(g, norm, max_norm)
+      m, v = adamw_moments(h, g, at(mu, o, n), at(nu, o, n))
+      mu = jax.lax.dynamic_update_slice(mu, m, (o,))
+      nu = jax.lax.dynamic_update_slice(nu, v, (o,))
+      # The new moments are read back from their buffers: p's update then depends
+      # on the written buffers alone, so XLA updates all three in place.
+      new = adamw_params(h, at(p, o, n), at(mu, o, n), at(nu, o, n), s, in_loop=True)
+      return jax.lax.dynamic_update_slice(p, new, (o,)), mu, nu
+
+    size = part.shape[0]
+    full = size // chunk
+    pmv = (part, adam.mu, adam.nu)
+    if full:
+      pmv = jax.lax.fori_loop(0, full, lambda i, c: step(i * chunk, chunk, c), pmv)
+    if size % chunk:
+      pmv = step(full * chunk, size % chunk, pmv)
+    part, mu, nu = pmv
+    return part, (adam._replace(count=s.count, mu=mu, nu=nu), decay, lr_state)
+
+  return update
 
 
 def _miniature(tree, rng: np.random.Generator, scale: float):
@@ -92,17 +165,26 @@ def resolve_mode(optimizer: optax.GradientTransformation, unit_trees: Sequence[A
 class HostOptimizer:
   """Masters, optimizer state and gradient accumulators of every unit, on the host.
 
-  `masters[u]` is unit u's fp32 flat buffer (a CPU-backend array). The optimizer
-  sees each unit as its parameter tree (flat buffers are unflattened inside the
-  jit), so masks and per-leaf transforms behave as they would on the model.
+  `parts[u]` is unit u's fp32 master: a tuple of CPU-backend arrays that are
+  consecutive ranges of its flat layout (one range unless the update is the fused
+  AdamW, which gives each of `threads` threads its own range). `masters` (flat
+  fp32 numpy or CPU-backend arrays) become the parts; a list of them is emptied
+  as it goes, so the host never holds two copies. The optimizer sees
+  each unit as its parameter tree (flat buffers are unflattened inside the jit), so
+  masks and per-leaf transforms behave as they would on the model.
   """
 
   def __init__(self, optimizer: optax.GradientTransformation, specs: Sequence[FlatSpec],
                masters: Sequence[jax.Array], assemble: Callable, split: Callable,
                compute_dtype, mode: str, host_device: jax.Device,
-               stream_sharding: jax.sharding.Sharding | None = None):
+               stream_sharding: jax.sharding.Sharding | None = None,
+               threads: int | None = None, chunk: int = CHUNK):
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
+                                or threads < 1):
+      raise ValueError(f"threads must be a positive integer or None, got {threads!r}.")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+      raise ValueError(f"chunk must be a positive integer, got {chunk!r}.")
     self.specs = list(specs)
-    self.masters = list(masters)
     self.assemble, self.split = assemble, split
     self.compute_dtype = compute_dtype
     self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
@@ -112,23 +194,33 @@ class HostOptimizer:
     self.mode, self.optimizer, self.max_norm, self.fused = resolve_mode(
         optimizer, trees, assemble, mode)
     optimizer = self.optimizer
+    self.threads, self.chunk = threads or host_threads(), chunk
+    self.bounds = [part_bounds(s.size, self.threads if self.fused else 1, chunk)
+                   for s in self.specs]
+    self._jits: dict[Any, Callable] = {}
+    self.parts: list[tuple[jax.Array, ...]] = []
+    for u, bounds in enumerate(self.bounds):
+      self.parts.append(self._split_master(masters[u], bounds))
+      if isinstance(masters, list):
+        masters[u] = None  # its parts hold it now: never two copies of the model
+    self._pool = (concurrent.futures.ThreadPoolExecutor(self.threads, "megatrain-adamw")
+                  if self.fused and self.threads > 1 else None)
     # Called with the units (and "optimizer" for the whole-tree state) whose
     # buffers an update is about to donate; a pending checkpoint copies them first.
     self.before_donate: Callable[[Sequence[Any]], None] | None = None
     self.accum: list[jax.Array | None] = [None] * len(self.specs)
-    self._jits: dict[Any, Callable] = {}
     on_host = self.host_sharding
-    if self.fused:
+    if self.fused:  # one optax.adamw state per part
       init = self._jit("init_flat", optimizer.init, out_shardings=on_host)
-      self.states = [init(m) for m in self.masters]
+      self.states = [[init(p) for p in parts] for parts in self.parts]
     elif self.mode in ("per_unit", "clipped"):
       self.states = [
           self._jit(("init", s), lambda m, s=s: optimizer.init(s.unflatten(m)),
-                    out_shardings=on_host)(m)
-          for s, m in zip(self.specs, self.masters)]
+                    out_shardings=on_host)(parts[0])
+          for s, parts in zip(self.specs, self.parts)]
     else:
       self.state = jax.jit(lambda ms: optimizer.init(self._tree(ms)),
-                           out_shardings=on_host)(self.masters)
+                           out_shardings=on_host)(self._whole_masters())
 
   # -- helpers ---------------------------------------------------------------
 
@@ -139,6 +231,31 @@ class HostOptimizer:
 
   def _tree(self, flats):
     return self.assemble([s.unflatten(f) for s, f in zip(self.specs, flats)])
+
+  def _split_master(self, master, bounds) -> tuple[jax.Array, ...]:
+    """A flat master (numpy, or a CPU-backend array) as CPU-backend parts."""
+    if not isinstance(master, jax.Array):
+      master = np.asarray(master, np.float32)
+      return tuple(jax.device_put(master[lo:hi], self.host_sharding) for lo, hi in bounds)
+    if len(bounds) == 1:
+      return (master,)
+    return tuple(self._jit(("slice", master.shape, lo, hi), lambda m, lo=lo, hi=hi: m[lo:hi],
+                           out_shardings=self.host_sharding)(master)
+                 for lo, hi in bounds)
+
+  def _whole_masters(self) -> list[jax.Array]:
+    """Every unit's single-part master (the non-fused modes hold one part)."""
+    return [parts[0] for parts in self.parts]
+
+  def master(self, u: int) -> np.ndarray:
+    """Unit u's flat fp32 master on the host (a view when it is one part)."""
+    parts = self.parts[u]
+    if len(parts) == 1:
+      return np.asarray(parts[0])
+    return np.concatenate([np.asarray(p) for p in parts])
+
+  def master_bytes(self) -> int:
+    return sum(p.nbytes for parts in self.parts for p in parts)
 
   @property
   def updates_after_sweep(self) -> bool:
@@ -152,6 +269,12 @@ class HostOptimizer:
   def _donating(self, names) -> None:
     if self.before_donate is not None:
       self.before_donate(names)
+
+  def close(self) -> None:
+    """Stops the update threads. Idempotent."""
+    if self._pool is not None:
+      self._pool.shutdown(wait=True)
+      self._pool = None
 
   # -- gradients -------------------------------------------------------------
 
@@ -179,14 +302,50 @@ class HostOptimizer:
     """Per-unit update of unit u from `grad` plus its accumulated micro-batch
     gradients; returns its new compute-dtype flat copy (None with `stream=False`).
 
+    The fused AdamW update is done when this returns (its parts run on the update
+    threads); other transforms are dispatched, not awaited.
+
     The caller has checked the gradient is finite (the engine's gradient templates
     report it from the device): a check in here would need a select between the
     old and the new state, which measured 4x slower on the CPU backend than the
     donated, in-place update.
     """
-    spec, acc = self.specs[u], self.accum[u]
+    if tuple(grad.shape) != (self.specs[u].size,):
+      raise ValueError(f"The gradient of unit {u} has shape {tuple(grad.shape)}; its "
+                       f"flat parameters have ({self.specs[u].size},).")
+    acc = self.accum[u]
     self.accum[u] = None
-    opt, fused, max_norm = self.optimizer, self.fused, self.max_norm
+    self._donating([u])
+    if self.fused:
+      self._update_parts(u, grad, acc, clip_norm)
+    else:
+      self._update_tree(u, grad, acc, clip_norm)
+    return self.stream_copy(u) if stream else None
+
+  def _update_parts(self, u, grad, acc, clip_norm) -> None:
+    """The fused AdamW update of unit u, each part on its own thread."""
+    size = self.specs[u].size
+    fns = [self._jit(("part", size, lo, hi, acc is None, clip_norm is None),
+                     chunked_adamw_update(self.optimizer.hyper, lo, self.chunk,
+                                          max_norm=self.max_norm),
+                     donate_argnums=(0, 1))
+           for lo, hi in self.bounds[u]]
+
+    def run(j):
+      out = fns[j](self.parts[u][j], self.states[u][j], grad, acc, clip_norm)
+      return jax.block_until_ready(out)
+
+    if self._pool is None or len(fns) == 1:
+      results = [run(j) for j in range(len(fns))]
+    else:
+      results = list(self._pool.map(run, range(len(fns))))
+    self.parts[u] = tuple(p for p, _ in results)
+    self.states[u] = [s for _, s in results]
+
+  def _update_tree(self, u, grad, acc, clip_norm) -> None:
+    """Unit u's update through optax, on its parameter tree."""
+    spec = self.specs[u]
+    opt, max_norm = self.optimizer, self.max_norm
 
     def update(master, state, grad, acc, norm):
       g = grad.astype(jnp.float32)
@@ -194,46 +353,50 @@ class HostOptimizer:
         g = acc + g
       if norm is not None:
         g = clip_with_norm(g, norm, max_norm)
-      if fused:
-        return fused_adamw_update(opt.hyper, master, g, state)
       p = spec.unflatten(master)
       upd, new_state = opt.update(spec.unflatten(g), state, p)
       return spec.flatten(optax.apply_updates(p, upd)), new_state
 
     fn = self._jit(("update", spec, acc is None, clip_norm is None), update,
                    donate_argnums=(0, 1))
-    self._donating([u])
-    self.masters[u], self.states[u] = fn(self.masters[u], self.states[u], grad, acc,
-                                         clip_norm)
-    return self.stream_copy(self.masters[u]) if stream else None
+    master, self.states[u] = fn(self.parts[u][0], self.states[u], grad, acc, clip_norm)
+    self.parts[u] = (master,)
 
-  def stream_copy(self, master: jax.Array) -> jax.Array:
-    """The compute-dtype copy of a master buffer. A separate call: on the CPU
+  def stream_copy(self, u: int) -> jax.Array:
+    """The compute-dtype flat copy of unit u's master. A separate call: on the CPU
     backend XLA runs a multi-output update about 2x slower than the update plus
     this cast (measured: 157 ms against 68 + ~20 ms for 32M parameters)."""
-    cd = self.compute_dtype
-    return self._jit(("cast", master.shape), lambda m: m.astype(cd),
-                     out_shardings=self.stream_sharding)(master)
+    cd, parts = self.compute_dtype, self.parts[u]
+    return self._jit(("cast", tuple(p.shape for p in parts)),
+                     lambda ps: jnp.concatenate(ps).astype(cd),
+                     out_shardings=self.stream_sharding)(parts)
 
-  def update_all(self, stream: bool = True) -> list[jax.Array | None]:
+  def update_all(self, stream: bool = True,
+                 on_unit: Callable[[int, jax.Array | None], None] | None = None
+                 ) -> list[jax.Array | None]:
     """After the sweep: updates every unit from its accumulated gradient; returns
     their new compute-dtype copies (Nones with `stream=False`).
 
     Whole-tree mode runs one update over the whole tree; clipped mode computes the
-    global norm, then dispatches each unit's clip-and-update in unit order;
-    per-unit mode (deferred to check every gradient first) dispatches each unit's
-    update. Nothing here waits for the result.
+    global norm, then updates each unit in unit order; per-unit mode (deferred to
+    check every gradient first) updates each unit. `on_unit(u, copy)` is called
+    as each unit's update is done (fused) or dispatched (otherwise).
     """
     if any(a is None for a in self.accum):
       missing = [u for u, a in enumerate(self.accum) if a is None]
       raise RuntimeError(f"No gradient accumulated for units {missing}.")
+    on_unit = on_unit or (lambda u, new: None)
     grads, self.accum = self.accum, [None] * len(self.specs)
     if self.mode in ("clipped", "per_unit"):
       norm = None
       if self.mode == "clipped":
         sumsq = [self._jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(a) for a in grads]
         norm = self._jit("norm", lambda s: jnp.sqrt(sum(s)))(sumsq)
-      return [self.update_unit(u, g, stream, clip_norm=norm) for u, g in enumerate(grads)]
+      out = []
+      for u, g in enumerate(grads):
+        out.append(self.update_unit(u, g, stream, clip_norm=norm))
+        on_unit(u, out[-1])
+      return out
     opt = self.optimizer
 
     def update(masters, state, grads):
@@ -243,25 +406,39 @@ class HostOptimizer:
 
     fn = self._jit("update_all", update, donate_argnums=(0, 1))
     self._donating([*range(len(self.specs)), "optimizer"])
-    self.masters, self.state = fn(self.masters, self.state, grads)
-    return [self.stream_copy(m) if stream else None for m in self.masters]
+    masters, self.state = fn(self._whole_masters(), self.state, grads)
+    self.parts = [(m,) for m in masters]
+    out = [self.stream_copy(u) if stream else None for u in range(len(self.specs))]
+    for u, new in enumerate(out):
+      on_unit(u, new)
+    return out
 
   # -- state for checkpoints -------------------------------------------------
+  # A checkpoint holds each unit whole: its parts and their states joined.
 
   def state_names(self) -> list[Any]:
     """What a checkpoint holds: every unit, plus "optimizer" in whole-tree mode."""
     names: list[Any] = list(range(len(self.specs)))
     return names + ["optimizer"] if self.mode == "whole_tree" else names
 
+  def _unit_state_leaves(self, u: int, join: Callable) -> list[Any]:
+    """The leaves of unit u's optimizer state, its parts' leaves joined by `join`."""
+    if not self.fused:
+      return [join([x]) for x in jax.tree.leaves(self.states[u])]
+    per_part = [jax.tree.leaves(s) for s in self.states[u]]
+    return [join(list(xs)) for xs in zip(*per_part)]
+
   def copy_state(self, name) -> dict[str, np.ndarray]:
     """Host copies of one unit's master and optimizer state (or the whole-tree state)."""
     if name == "optimizer":
       leaves = jax.tree.leaves(self.state)
       return {f"state_{i:03d}": np.array(x) for i, x in enumerate(leaves)}
-    out = {"master": np.array(self.masters[name])}
+    out = {"master": np.array(self.master(name))}
     if self.mode != "whole_tree":
-      for i, x in enumerate(jax.tree.leaves(self.states[name])):
-        out[f"state_{i:03d}"] = np.array(x)
+      join = lambda xs: (np.concatenate([np.asarray(x) for x in xs])
+                         if len(xs) > 1 and np.ndim(xs[0]) else np.array(xs[0]))
+      for i, x in enumerate(self._unit_state_leaves(name, join)):
+        out[f"state_{i:03d}"] = x
     return out
 
   def state_layout(self, name) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -271,8 +448,10 @@ class HostOptimizer:
       return {f"state_{i:03d}": (tuple(x.shape), str(x.dtype)) for i, x in enumerate(leaves)}
     out = {"master": ((self.specs[name].size,), "float32")}
     if self.mode != "whole_tree":
-      for i, x in enumerate(jax.tree.leaves(self.states[name])):
-        out[f"state_{i:03d}"] = (tuple(x.shape), str(x.dtype))
+      join = lambda xs: ((sum(x.shape[0] for x in xs),) if len(xs) > 1 and xs[0].ndim
+                         else tuple(xs[0].shape), str(xs[0].dtype))
+      for i, x in enumerate(self._unit_state_leaves(name, join)):
+        out[f"state_{i:03d}"] = x
     return out
 
   def load_state(self, name, arrays: dict[str, np.ndarray]) -> None:
@@ -283,8 +462,19 @@ class HostOptimizer:
       leaves, treedef = jax.tree.flatten(self.state)
       self.state = treedef.unflatten([put(arrays[f"state_{i:03d}"]) for i in range(len(leaves))])
       return
-    self.masters[name] = put(arrays["master"])
-    if self.mode != "whole_tree":
+    bounds = self.bounds[name]
+    self.parts[name] = tuple(put(arrays["master"][lo:hi]) for lo, hi in bounds)
+    if self.mode == "whole_tree":
+      return
+    if not self.fused:
       leaves, treedef = jax.tree.flatten(self.states[name])
       self.states[name] = treedef.unflatten(
           [put(arrays[f"state_{i:03d}"]) for i in range(len(leaves))])
+      return
+    states = []
+    for j, (lo, hi) in enumerate(bounds):
+      leaves, treedef = jax.tree.flatten(self.states[name][j])
+      states.append(treedef.unflatten(
+          [put(a[lo:hi] if np.ndim(a) else a)
+           for a in (np.asarray(arrays[f"state_{i:03d}"]) for i in range(len(leaves)))]))
+    self.states[name] = states

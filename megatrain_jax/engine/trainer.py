@@ -37,7 +37,7 @@ from megatrain_jax.batch import check_batch
 from megatrain_jax.checkpoint import Snapshot
 from megatrain_jax.engine import host_memory, memory
 from megatrain_jax.engine.flat import FlatSpec
-from megatrain_jax.engine.host_optimizer import MODES, HostOptimizer
+from megatrain_jax.engine.host_optimizer import CHUNK, MODES, HostOptimizer
 from megatrain_jax.engine.transport import DeviceTransport, Transport
 from megatrain_jax.engine.workers import GradWorker, Ledger, Prefetcher
 from megatrain_jax.models import llama
@@ -108,6 +108,10 @@ class EngineConfig:
     memory beyond masters and optimizer state; a host-side cast per fetch on an
     accelerator). "auto": "on_fetch" on the CPU backend, where device memory is
     host memory and a kept copy would only duplicate it; "keep" on an accelerator.
+  host_threads: threads that run the fused AdamW update (`mt.optim.adamw`), each
+    on its own part of every unit (None: one per CPU this process may use).
+  host_chunk: elements each of those threads updates at a time; p, g, m and v of
+    one chunk (16 bytes per element) should fit in a core's L2 cache.
   """
 
   prefetch_depth: int = 2
@@ -123,6 +127,8 @@ class EngineConfig:
   return_freed_memory: bool = True
   nonfinite: str = "raise"
   stream_copy: str = "auto"
+  host_threads: int | None = None
+  host_chunk: int = CHUNK
 
   def __post_init__(self):
     if isinstance(self.compute_dtype, str):
@@ -133,8 +139,11 @@ class EngineConfig:
     if jnp.dtype(self.compute_dtype) not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
       raise ValueError(f"EngineConfig.compute_dtype must be float32 or bfloat16, got "
                        f"{self.compute_dtype}.")
-    for name, low in (("prefetch_depth", 0), ("checkpoint_every", 1), ("grad_accum", 1)):
+    for name, low in (("prefetch_depth", 0), ("checkpoint_every", 1), ("grad_accum", 1),
+                      ("host_threads", 1), ("host_chunk", 1)):
       v = getattr(self, name)
+      if name == "host_threads" and v is None:
+        continue
       if isinstance(v, bool) or not isinstance(v, int) or v < low:
         raise ValueError(f"EngineConfig.{name} must be an integer >= {low}, got {v!r}.")
     if self.optimizer_mode not in MODES:
@@ -233,14 +242,13 @@ class StreamingTrainer:
     self.EMBED, self.HEAD = 0, L + 1
     self._invalid: BaseException | None = None
 
-    host = jax.sharding.SingleDeviceSharding(self.transport.host_device)
-    specs, masters = [], []
+    specs, masters = [], []  # masters: flat fp32 numpy, until the host optimizer has them
     for u, tree in enumerate(unit_trees):
       spec = FlatSpec(tree)
       if specs and u not in (self.HEAD,) and spec == specs[-1]:
         spec = specs[-1]  # blocks share one spec object, hence one template
       specs.append(spec)
-      masters.append(jax.device_put(spec.flatten_np(tree), host))
+      masters.append(spec.flatten_np(tree))
     if len(specs) != self.n_units:
       raise ValueError(f"Expected {self.n_units} units (embed, {L} blocks, head), "
                        f"got {len(specs)}.")
@@ -251,7 +259,8 @@ class StreamingTrainer:
         optimizer, specs, masters, assemble=self._assemble, split=self._split,
         compute_dtype=self.cd, mode=ec.optimizer_mode,
         host_device=self.transport.host_device,
-        stream_sharding=self.transport.stream_sharding())
+        stream_sharding=self.transport.stream_sharding(), threads=ec.host_threads,
+        chunk=ec.host_chunk)
     logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s%s, compute %s, "
                  "streaming copies %s.", self.n_units, sum(s.size for s in specs) / 1e6,
                  self.host_opt.mode, " (fused AdamW)" if self.host_opt.fused else "",
@@ -269,8 +278,8 @@ class StreamingTrainer:
     self._acc_ok: list[list[jax.Array]] = [[] for _ in specs]  # optimizer thread
     # The compute-dtype copy of each unit, kept in pinned host memory (None: each
     # fetch casts the master instead).
-    self._stream = ([self.transport.stage(self.host_opt.stream_copy(m))
-                     for m in self.host_opt.masters] if self._keep_copy else None)
+    self._stream = ([self.transport.stage(self.host_opt.stream_copy(u))
+                     for u in range(self.n_units)] if self._keep_copy else None)
     self.unit_bytes = [s.size * self.cd.itemsize for s in specs]
     # Gradients leave in the compute dtype, but the embedding's (a scatter-add) in fp32.
     self.grad_bytes = [s.size * (4 if u == self.EMBED else self.cd.itemsize)
@@ -381,7 +390,7 @@ class StreamingTrainer:
     copy, or cast from its master."""
     if self._keep_copy:
       return self.transport.h2d(self._stream[u])
-    return self.transport.h2d_cast(self.host_opt.masters[u], self.cd)
+    return self.transport.h2d_cast(self.host_opt.parts[u], self.cd)
 
   def _updated_for(self, u: int, step: int) -> bool:
     """Whether unit u's copy is the one step `step` computes with (every earlier
@@ -426,7 +435,11 @@ class StreamingTrainer:
     self.opt_worker.submit((u, g, ok, last, guard))
 
   def _handle_update(self, job) -> None:
-    """Optimizer thread: update the unit now, or accumulate its gradient."""
+    """Optimizer thread: update the unit now, or accumulate its gradient (or,
+    after a deferred sweep, update every unit)."""
+    if job[0] == "update_all":
+      self._update_all(job[1])
+      return
     u, g, ok, last, guard = job
     t1 = time.perf_counter()
     try:
@@ -442,6 +455,21 @@ class StreamingTrainer:
       if last and not self._defer:
         self._mark_done([u], guard.step)
     self._opt_s += time.perf_counter() - t1
+
+  def _update_all(self, step: int) -> None:
+    """Optimizer thread, after a deferred sweep whose gradients are all finite:
+    every unit's update, each unit's copies refreshed as its update is done."""
+    t1 = time.perf_counter()
+
+    def done(u, new):
+      self._set_stream(u, new)
+      self._mark_done([u], step)
+
+    try:
+      self.host_opt.update_all(stream=self._keep_copy, on_unit=done)
+    finally:
+      self._mark_done(range(self.n_units), step)
+      self._opt_s += time.perf_counter() - t1
 
   def _update_now(self, u: int, g, oks: list[jax.Array], guard: _StepGuard) -> None:
     """A per-unit update during the backward, after the step's loss is known finite.
@@ -468,7 +496,7 @@ class StreamingTrainer:
       new = self.host_opt.update_unit(u, g, stream=self._keep_copy)
       guard.updated.append(u)
       # Done before the unit's next fetch is allowed (it reads the result).
-      jax.block_until_ready(new if new is not None else self.host_opt.masters[u])
+      jax.block_until_ready(new if new is not None else self.host_opt.parts[u])
       self._set_stream(u, new)
     finally:
       guard.first_done.set()
@@ -502,8 +530,7 @@ class StreamingTrainer:
 
   def _master_changed(self, u: int) -> None:
     """Unit u's master was set outside an update (restore): remakes its copies."""
-    self._set_stream(u, self.host_opt.stream_copy(self.host_opt.masters[u])
-                     if self._keep_copy else None)
+    self._set_stream(u, self.host_opt.stream_copy(u) if self._keep_copy else None)
 
   def _send_grad(self, u: int, g: jax.Array, ok: jax.Array, last: bool) -> None:
     """Queues unit u's gradient (already in the ledger) for the link and the update."""
@@ -676,11 +703,11 @@ class StreamingTrainer:
         self._wait_workers()
         bad = self._find_nonfinite(loss)
         if bad is None:
-          # Dispatched, not awaited: it runs on the host backend while the next step
-          # starts, and each unit's next fetch waits for its new copy.
-          for u, new in enumerate(self.host_opt.update_all(stream=self._keep_copy)):
-            self._set_stream(u, new)
-        self._mark_done(range(self.n_units), guard.step)
+          # On the optimizer thread, while the next step starts: each unit's next
+          # fetch waits for its update.
+          self.opt_worker.submit(("update_all", guard.step))
+        else:
+          self._mark_done(range(self.n_units), guard.step)
       else:
         bad = self._first_verdict(guard, loss)
       self.prefetcher.drain()
@@ -834,7 +861,7 @@ class StreamingTrainer:
     """The fp32 master parameters as a tree of numpy arrays (same as the model's)."""
     if self._threads_open:
       self._wait_workers()
-    units = [s.unflatten(np.asarray(m)) for s, m in zip(self.specs, self.host_opt.masters)]
+    units = [s.unflatten(self.host_opt.master(u)) for u, s in enumerate(self.specs)]
     return self._assemble([jax.tree.map(np.array, t) for t in units])
 
   @property
@@ -896,7 +923,7 @@ class StreamingTrainer:
     """Unit u's fp32 master parameters as a tree of numpy arrays (a copy)."""
     if self._threads_open:
       self._wait_workers()
-    return jax.tree.map(np.array, self.specs[u].unflatten(np.asarray(self.host_opt.masters[u])))
+    return jax.tree.map(np.array, self.specs[u].unflatten(self.host_opt.master(u)))
 
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times."""
@@ -921,6 +948,7 @@ class StreamingTrainer:
     self.prefetcher.close()
     self.grad_worker.close()
     self.opt_worker.close()
+    self.host_opt.close()
 
   def __enter__(self):
     return self

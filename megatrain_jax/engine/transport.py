@@ -4,7 +4,7 @@
 the accelerator's `pinned_host` memory, `h2d` is one `jax.device_put` into
 `device` memory, and gradients come back to the host backend with `d2h`. When
 no streaming copy is kept, `h2d_cast` makes the compute-dtype copy from the
-fp32 master at fetch time.
+fp32 master's parts at fetch time.
 `SimulatedLink` wraps it and adds the time a link of a given bandwidth would
 take (a sleep, which releases the GIL), so overlap is measurable on CPU.
 """
@@ -24,10 +24,11 @@ SingleDeviceSharding = jax.sharding.SingleDeviceSharding
 
 @functools.lru_cache(maxsize=None)
 def _cast_into(sharding: jax.sharding.Sharding, dtype) -> jax.stages.Wrapped:
-  """A jitted copy of an array into `sharding`, cast to `dtype`: always a new
-  buffer (an fp32 master is donated by its next update, so the fetched copy
-  must not be the master itself)."""
-  return jax.jit(lambda m: jnp.array(m, dtype=dtype, copy=True), out_shardings=sharding)
+  """A jitted join of a master's parts into one flat array in `sharding`, cast to
+  `dtype`: always a new buffer (an fp32 master is donated by its next update, so
+  the fetched copy must not be the master itself)."""
+  return jax.jit(lambda parts: jnp.array(jnp.concatenate(parts), dtype=dtype, copy=True),
+                 out_shardings=sharding)
 
 
 def _memory_kinds(device) -> set[str]:
@@ -59,9 +60,10 @@ class Transport(abc.ABC):
   def to_device(self, x) -> jax.Array:
     """Small inputs (token ids, labels) -> device memory."""
 
-  def h2d_cast(self, master: jax.Array, dtype) -> jax.Array:
-    """Host-backend fp32 master -> its `dtype` copy in device memory (the fetch
-    when no streaming copy is kept): cast on the host, then `stage` and `h2d`."""
+  def h2d_cast(self, master: tuple[jax.Array, ...], dtype) -> jax.Array:
+    """Host-backend fp32 master, as a tuple of consecutive parts -> its flat
+    `dtype` copy in device memory (the fetch when no streaming copy is kept):
+    joined and cast on the host, then `stage` and `h2d`."""
     host = SingleDeviceSharding(self.host_device)
     return self.h2d(self.stage(_cast_into(host, jnp.dtype(dtype))(master)))
 
@@ -150,7 +152,7 @@ class SimulatedLink(Transport):
   def h2d_cast(self, master, dtype):
     # The link carries the compute-dtype copy, whichever side casts.
     return self._move("h2d", lambda m: self.base.h2d_cast(m, dtype), master,
-                      nbytes=master.size * jnp.dtype(dtype).itemsize)
+                      nbytes=sum(p.size for p in master) * jnp.dtype(dtype).itemsize)
 
   def d2h(self, device_array):
     return self._move("d2h", self.base.d2h, device_array)
