@@ -40,6 +40,7 @@ flags.DEFINE_bool("stream_embed_head", _D.stream_embed_head, "Streaming: fetch e
 flags.DEFINE_enum("optimizer_mode", _D.optimizer_mode, ["auto", "per_unit", "whole_tree"], "Streaming: host optimizer mode.")
 flags.DEFINE_integer("device_budget_mb", None, "Streaming: refuse configs needing more device memory (MiB).")
 flags.DEFINE_enum("nonfinite", _D.nonfinite, ["raise", "skip"], "Streaming: a NaN/inf loss or gradient raises, or skips the step.")
+flags.DEFINE_integer("host_threads", None, "Streaming: threads of the fused host AdamW update (default: one per CPU).")
 flags.DEFINE_integer("save_every", _D.save_every, "Checkpoint every N steps (0: never); rerunning resumes.")
 flags.DEFINE_integer("keep", _D.keep, "Complete checkpoints to keep.")
 flags.DEFINE_integer("host_memory_limit_mb", None, "Host memory the preflight may plan for (default: what is available).")
@@ -67,6 +68,7 @@ def main(argv):
       prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
       grad_accum=FLAGS.grad_accum, stream_embed_head=FLAGS.stream_embed_head,
       optimizer_mode=FLAGS.optimizer_mode, nonfinite=FLAGS.nonfinite,
+      host_threads=FLAGS.host_threads,
       device_budget_bytes=(FLAGS.device_budget_mb * 2**20 if FLAGS.device_budget_mb else None),
       save_every=FLAGS.save_every, keep=FLAGS.keep,
       host_memory_limit_bytes=(FLAGS.host_memory_limit_mb * 2**20

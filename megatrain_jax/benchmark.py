@@ -264,10 +264,11 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
   """Where the host AdamW's time goes, against the same donated triad: the engine's
   fused update and stock `optax.adamw` on one buffer; the fused update over
   `s.opt_slab`-sized buffers, small enough that what one pass writes is still in
-  the last-level cache when the next reads it; and one such buffer updated over
-  and over (no DRAM traffic: the arithmetic's own ceiling). Also the number of
-  passes XLA makes over a buffer, and the bytes per parameter the fused update
-  moves if it runs at the triad's bandwidth."""
+  the last-level cache when the next reads it; one such buffer updated over and
+  over (no DRAM traffic: the arithmetic's own ceiling); and the engine's in-place,
+  chunked update on a single thread (`host_opt_bw_ratio` runs it on one thread per
+  CPU). Also the number of passes XLA makes over a buffer, and the bytes per
+  parameter the fused update moves if it runs at the triad's bandwidth."""
   n, slab = s.opt_params, s.opt_slab
   if not 0 < slab <= n:
     raise ValueError(f"opt_slab={slab} must be between 1 and opt_params={n}.")
@@ -293,6 +294,9 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
   p = host_normal(slab, 4)
   cached = [p, init(p), host_normal(slab, 5)]
   tri = {"b": host_normal(n, 6), "c": host_normal(n, 7)}
+  one = HostOptimizer(tx, [FlatSpec({"w": np.zeros((n,), np.float32)})], [host_normal(n, 8)],
+                      assemble=lambda u: u[0], split=lambda t: [t], compute_dtype=jnp.float32,
+                      mode="per_unit", host_device=jax.devices("cpu")[0], threads=1)
   passes = loop_fusions(fused.lower(*whole["fused"], grad).compile().as_text(), n)
 
   def run_whole(name, fn):
@@ -312,12 +316,17 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
       cached[0], cached[1] = fused(*cached)
     return cached
 
+  def run_one_thread():
+    one.update_unit(0, grad, stream=False)
+    return one.parts[0], one.states[0]
+
   def run_triad():
     tri["b"] = triad(tri["b"], tri["c"])
     return tri["b"]
 
   t = median_times({"fused": run_whole("fused", fused), "stock": run_whole("stock", stock),
-                    "slabs": run_pieces, "in_cache": run_cached, "triad": run_triad},
+                    "slabs": run_pieces, "in_cache": run_cached,
+                    "one_thread": run_one_thread, "triad": run_triad},
                    s.warmup, 3 * s.reps)
   triad_bw = TRIAD_BYTES_PER_ELEMENT * n / t["triad"]
   ratio = lambda key: ADAMW_BYTES_PER_PARAM * k * slab / t[key] / triad_bw
@@ -327,6 +336,8 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
           "host_opt_profile_stock_bw_ratio": ADAMW_BYTES_PER_PARAM * n / t["stock"] / triad_bw,
           "host_opt_profile_slabs_bw_ratio": ratio("slabs"),
           "host_opt_profile_in_cache_bw_ratio": ratio("in_cache"),
+          "host_opt_profile_one_thread_bw_ratio":
+              ADAMW_BYTES_PER_PARAM * n / t["one_thread"] / triad_bw,
           "host_opt_profile_slab_params": slab,
           "host_opt_profile_triad_gb_per_s": triad_bw / 1e9}
 

@@ -20,6 +20,7 @@ from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import planner
 from megatrain_jax import metrics as metrics_lib
+from megatrain_jax import optim
 from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
 from megatrain_jax.models.config import LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
@@ -62,6 +63,7 @@ class TrainConfig:
   optimizer_mode: str = "auto"
   device_budget_bytes: int | None = None
   nonfinite: str = "raise"
+  host_threads: int | None = None  # threads of the fused host AdamW (None: one per CPU)
   # Checkpoints in <workdir>/checkpoints every `save_every` steps (0: none) and at
   # the end; the last `keep` are kept. Rerunning with the same workdir resumes.
   save_every: int = 100
@@ -80,7 +82,8 @@ class TrainConfig:
         prefetch_depth=self.prefetch_depth, checkpoint_every=self.checkpoint_every,
         compute_dtype=DTYPES[self.compute_dtype], grad_accum=self.grad_accum,
         stream_embed_head=self.stream_embed_head, optimizer_mode=self.optimizer_mode,
-        device_budget_bytes=self.device_budget_bytes, nonfinite=self.nonfinite)
+        device_budget_bytes=self.device_budget_bytes, nonfinite=self.nonfinite,
+        host_threads=self.host_threads)
 
   def model_config(self) -> LlamaConfig:
     if self.hf_model_dir:
@@ -138,7 +141,8 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   warmup = min(tc.warmup_steps, tc.steps // 2)
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, tc.lr, warmup, max(tc.steps, warmup + 1), end_value=0.1 * tc.lr)
-  return optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
+  # optax.adamw, which the streaming engine runs fused and in parallel on the host.
+  return optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
 
 
 def make_trainer(tc: TrainConfig, cfg: LlamaConfig):

@@ -53,7 +53,8 @@ def test_host_optimizer_profile_formulas(monkeypatch):
 
   def fake_median_times(fns, warmup, reps):
     ran.update({k: jax.block_until_ready(fn()) for k, fn in fns.items()})
-    return {"fused": 2.0, "stock": 4.0, "slabs": 1.0, "in_cache": 0.5, "triad": 1.0}
+    return {"fused": 2.0, "stock": 4.0, "slabs": 1.0, "in_cache": 0.5, "one_thread": 3.0,
+            "triad": 1.0}
 
   monkeypatch.setattr(benchmark, "median_times", fake_median_times)
   n, slab = 4096, 1024
@@ -63,6 +64,8 @@ def test_host_optimizer_profile_formulas(monkeypatch):
   assert out["host_opt_profile_stock_bw_ratio"] == pytest.approx(28 * n / 4.0 / triad_bw)
   assert out["host_opt_profile_slabs_bw_ratio"] == pytest.approx(28 * n / 1.0 / triad_bw)
   assert out["host_opt_profile_in_cache_bw_ratio"] == pytest.approx(28 * n / 0.5 / triad_bw)
+  assert out["host_opt_profile_one_thread_bw_ratio"] == pytest.approx(28 * n / 3.0 / triad_bw)
+  assert len(ran["one_thread"][0]) == 1  # the engine's update, in one part
   # The fused update's time at the triad's bandwidth, in bytes per parameter.
   assert out["host_opt_profile_bytes_per_param_at_triad_bw"] == pytest.approx(2.0 * 12)
   assert 1 <= out["host_opt_profile_passes"] <= 3  # it writes three arrays of n

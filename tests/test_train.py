@@ -20,8 +20,9 @@ def _run(*args):
 def test_launcher_writes_metrics_and_plot(tmp_path, engine):
   if engine == "streaming":  # the script itself, flags and all
     r = _run(f"--workdir={tmp_path}", f"--engine={engine}", "--steps=6", "--log_every=2",
-             "--batch_size=4", "--seq_len=32", "--max_data_bytes=200000")
+             "--batch_size=4", "--seq_len=32", "--max_data_bytes=200000", "--host_threads=3")
     assert r.returncode == 0, r.stderr[-3000:]
+    assert "fused AdamW on 3 threads" in r.stderr
   else:  # the same run, in-process
     train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path), engine=engine, steps=6,
                                         log_every=2, batch_size=4, seq_len=32,

@@ -263,7 +263,9 @@ class StreamingTrainer:
         chunk=ec.host_chunk)
     logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s%s, compute %s, "
                  "streaming copies %s.", self.n_units, sum(s.size for s in specs) / 1e6,
-                 self.host_opt.mode, " (fused AdamW)" if self.host_opt.fused else "",
+                 self.host_opt.mode,
+                 f" (fused AdamW on {self.host_opt.threads} threads)" if self.host_opt.fused
+                 else "",
                  self.cd.name, "kept" if self._keep_copy else "made at each fetch")
     # Updates wait for the whole sweep when the transform needs every gradient, or
     # when a non-finite step must be skippable.
