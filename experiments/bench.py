@@ -26,6 +26,8 @@ flags.DEFINE_string("out", "bench.json", "Where to write the JSON result.")
 flags.DEFINE_integer("reps", None, "Timed repetitions per figure (default: the suite's).")
 flags.DEFINE_integer("opt_slab", None, "Parameters per piece in the host-optimizer "
                      "profile (default: the suite's).")
+flags.DEFINE_integer("host_chunk", None, "Elements per step of the host AdamW's in-place "
+                     "loop, in both host-optimizer parts (default: the engine's).")
 flags.DEFINE_list("parts", list(benchmark.DEFAULT_PARTS),
                   f"Parts of the suite to run, of {list(benchmark.PARTS)}.")
 FLAGS = flags.FLAGS
@@ -49,6 +51,8 @@ def main(argv):
     suite.reps = FLAGS.reps
   if FLAGS.opt_slab:
     suite.opt_slab = FLAGS.opt_slab
+  if FLAGS.host_chunk:
+    suite.host_chunk = FLAGS.host_chunk
   try:
     result = benchmark.run_suite(suite, tuple(FLAGS.parts))
   except ValueError as e:

@@ -31,7 +31,7 @@ from flax import nnx
 from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer
 from megatrain_jax.engine import host_memory as malloc
 from megatrain_jax.engine.flat import FlatSpec
-from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.host_optimizer import CHUNK, HostOptimizer
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models import llama
@@ -66,6 +66,7 @@ class Suite:
   reps: int = 7
   opt_params: int = 32 * 2**20
   opt_slab: int = 2**20  # the host-optimizer profile's cache-sized pieces
+  host_chunk: int = CHUNK  # elements per step of the host AdamW's in-place loop
   rss_model: str = "300m"
 
 
@@ -224,7 +225,7 @@ def host_optimizer_bandwidth(s: Suite) -> dict[str, Any]:
   spec = FlatSpec({"w": np.zeros((n,), np.float32)})
   opt = HostOptimizer(adamw(1e-4), [spec], [host_normal(n, 0)],
                       assemble=lambda u: u[0], split=lambda t: [t], compute_dtype=jnp.float32,
-                      mode="per_unit", host_device=host)
+                      mode="per_unit", host_device=host, chunk=s.host_chunk)
   grad = host_normal(n, 1)
   triad = donated_triad()
   state = {"b": host_normal(n, 2), "c": host_normal(n, 3)}
@@ -296,7 +297,8 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
   tri = {"b": host_normal(n, 6), "c": host_normal(n, 7)}
   one = HostOptimizer(tx, [FlatSpec({"w": np.zeros((n,), np.float32)})], [host_normal(n, 8)],
                       assemble=lambda u: u[0], split=lambda t: [t], compute_dtype=jnp.float32,
-                      mode="per_unit", host_device=jax.devices("cpu")[0], threads=1)
+                      mode="per_unit", host_device=jax.devices("cpu")[0], threads=1,
+                      chunk=s.host_chunk)
   passes = loop_fusions(fused.lower(*whole["fused"], grad).compile().as_text(), n)
 
   def run_whole(name, fn):

@@ -2,10 +2,11 @@
 
 `adamw(...)` behaves as `optax.adamw(...)` everywhere (same init, same update, same
 state). It also carries its hyperparameters, so the streaming engine's host
-optimizer can apply it as one fused element-wise expression over a unit's flat
-buffer, reading and writing each of p, m, v once. That expression is optax's own
-sequence of operations, so the result is the same as `optax.adamw`'s, bit for bit
-(a test checks this). Any other transform goes through optax as it is.
+optimizer can apply optax's own sequence of element-wise operations straight to each
+unit's flat buffers: in place, a cache-sized chunk at a time, one thread per part of
+the unit (`engine/host_optimizer.py`), so p, m and v are each read and written once
+from memory. For a given gradient the result is `optax.adamw`'s, bit for bit (tests
+check this). Any other transform goes through optax as it is.
 """
 
 from __future__ import annotations

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from megatrain_jax import benchmark, metrics
+from megatrain_jax.engine import host_optimizer
 from megatrain_jax.models.config import preset
 from conftest import TINY
 
@@ -28,9 +29,18 @@ def test_param_count_of_llama2_7b_is_exact():
 
 
 def test_host_opt_ratio_formula(monkeypatch):
-  monkeypatch.setattr(benchmark, "median_times",
-                      lambda fns, warmup, reps: {"opt": 2.0, "update": 4.0, "triad": 1.0})
-  out = benchmark.host_optimizer_bandwidth(benchmark.Suite(opt_params=1024))
+  ran = {}
+
+  def fake_median_times(fns, warmup, reps):
+    ran.update({k: jax.block_until_ready(fn()) for k, fn in fns.items()})
+    return {"opt": 2.0, "update": 4.0, "triad": 1.0}
+
+  monkeypatch.setattr(benchmark, "median_times", fake_median_times)
+  out = benchmark.host_optimizer_bandwidth(benchmark.Suite(opt_params=1024, host_chunk=256))
+  # The engine's update: one part per thread, each a whole number of the suite's chunks.
+  parts, _ = ran["opt"]
+  assert len(parts) == min(host_optimizer.host_threads(), 4)
+  assert all(p.shape[0] % 256 == 0 for p in parts)
   # (28 B x n / 2 s) / (12 B x n / 1 s)
   assert out["host_opt_bw_ratio"] == pytest.approx(28 / 2 / 12)
   assert out["host_update_with_stream_copy_bw_ratio"] == pytest.approx(28 / 4 / 12)

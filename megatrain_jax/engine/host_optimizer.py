@@ -30,7 +30,7 @@ import optax
 
 from megatrain_jax.engine.flat import FlatSpec
 from megatrain_jax.optim import (AdamW, AdamWHyper, ClipThen, adamw_moments, adamw_params,
-                                  adamw_scalars, clip_with_norm, fused_adamw_update)
+                                  adamw_scalars, clip_with_norm)
 
 MODES = ("auto", "per_unit", "whole_tree")
 # Elements per step of the fused update's loop: p, g, m and v of one chunk (512 KiB
@@ -62,8 +62,10 @@ def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
   Returns `update(part, state, grad, acc, norm) -> (part, state)`: `part` and
   `state` (optax.adamw's state for `part`) are elements [lo, lo + part.size) of a
   unit whose whole gradient is `grad` (plus the accumulated `acc`, when not None;
-  clipped by the global `norm`, when not None). Every element goes through the same
-  operations as `fused_adamw_update`, so the result is the same, bit for bit.
+  clipped by the global `norm`, when not None). Every element goes through optax's
+  operations, so for a given gradient the result is optax.adamw's, bit for bit, for
+  any `lo` and `chunk` (tests/test_host_optimizer.py; `adamw_params` says why it
+  is called `in_loop`).
   """
 
   def update(part, state, grad, acc, norm):
@@ -166,12 +168,13 @@ class HostOptimizer:
   """Masters, optimizer state and gradient accumulators of every unit, on the host.
 
   `parts[u]` is unit u's fp32 master: a tuple of CPU-backend arrays that are
-  consecutive ranges of its flat layout (one range unless the update is the fused
-  AdamW, which gives each of `threads` threads its own range). `masters` (flat
-  fp32 numpy or CPU-backend arrays) become the parts; a list of them is emptied
-  as it goes, so the host never holds two copies. The optimizer sees
-  each unit as its parameter tree (flat buffers are unflattened inside the jit), so
-  masks and per-leaf transforms behave as they would on the model.
+  consecutive ranges of its flat layout. There is one range unless the update is
+  the fused AdamW, which gives each of `threads` threads its own range, a whole
+  number of `chunk`s. The `masters` given (flat fp32 numpy or CPU-backend arrays)
+  become the parts; a list of them is emptied as it goes, so the host never holds
+  two copies. Other transforms see each unit as its parameter tree (flat buffers
+  are unflattened inside the jit), so masks and per-leaf transforms behave as they
+  would on the model.
   """
 
   def __init__(self, optimizer: optax.GradientTransformation, specs: Sequence[FlatSpec],
