@@ -260,16 +260,24 @@ def test_transport_fault_raises_original_error(where, depth):
     eng.step(random_batch(BASE, 2, 8))
 
 
-def test_optimizer_fault_raises_original_error():
+@pytest.mark.parametrize("mode", ["per_unit", "whole_tree"])
+def test_optimizer_fault_raises_original_error(mode):
   def explode(updates, state, params=None):
     raise ArithmeticError("injected optimizer fault")
   bad = optax.GradientTransformation(lambda p: optax.EmptyState(), explode)
   eng = mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), bad,
-                            mt.EngineConfig(optimizer_mode="per_unit"))
+                            mt.EngineConfig(optimizer_mode=mode))
   t0 = time.monotonic()
   with pytest.raises(ArithmeticError, match="injected optimizer fault"):
     eng.step(random_batch(BASE, 2, 8))
+    # A whole-tree update runs on the optimizer thread after the step returns.
+    eng.wait()
+  # Nor does a next step go on: it raises that error, or says the trainer is invalid
+  # because of it.
+  with pytest.raises((ArithmeticError, RuntimeError), match="injected optimizer fault"):
+    eng.step(random_batch(BASE, 2, 8))
   assert time.monotonic() - t0 < 10
+  eng.close()
   assert not _engine_threads()
 
 
