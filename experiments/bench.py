@@ -8,7 +8,8 @@ host_bytes_per_param, and the sizes, times and machine behind them.
 `--suite=smoke` runs the same code on tiny sizes in about a minute (no goals).
 `--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory).
 Two profiles run only when named: `templates`, the per-layer calls alone, and
-`host_optimizer_profile`, where the host AdamW's time goes.
+`host_optimizer_profile`, where the host AdamW's time goes (`--opt_slab` sets its
+piece size, `--host_chunk` the in-place loop's chunk in both host-optimizer parts).
 The process restarts once with malloc asking for transparent huge pages (see
 `megatrain_jax/engine/host_memory.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """
@@ -23,11 +24,13 @@ from megatrain_jax.models.config import LlamaConfig
 
 flags.DEFINE_enum("suite", "cpu", ["cpu", "smoke"], "Which sizes to run.")
 flags.DEFINE_string("out", "bench.json", "Where to write the JSON result.")
-flags.DEFINE_integer("reps", None, "Timed repetitions per figure (default: the suite's).")
+flags.DEFINE_integer("reps", None, "Timed repetitions per figure (default: the suite's).",
+                     lower_bound=1)
 flags.DEFINE_integer("opt_slab", None, "Parameters per piece in the host-optimizer "
-                     "profile (default: the suite's).")
+                     "profile (default: the suite's).", lower_bound=1)
 flags.DEFINE_integer("host_chunk", None, "Elements per step of the host AdamW's in-place "
-                     "loop, in both host-optimizer parts (default: the engine's).")
+                     "loop, in both host-optimizer parts (default: the engine's).",
+                     lower_bound=1)
 flags.DEFINE_list("parts", list(benchmark.DEFAULT_PARTS),
                   f"Parts of the suite to run, of {list(benchmark.PARTS)}.")
 FLAGS = flags.FLAGS
@@ -47,11 +50,11 @@ def main(argv):
   host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
   logging.set_verbosity(logging.INFO)
   suite = SUITES[FLAGS.suite]
-  if FLAGS.reps:
+  if FLAGS.reps is not None:
     suite.reps = FLAGS.reps
-  if FLAGS.opt_slab:
+  if FLAGS.opt_slab is not None:
     suite.opt_slab = FLAGS.opt_slab
-  if FLAGS.host_chunk:
+  if FLAGS.host_chunk is not None:
     suite.host_chunk = FLAGS.host_chunk
   try:
     result = benchmark.run_suite(suite, tuple(FLAGS.parts))

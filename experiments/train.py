@@ -40,7 +40,7 @@ flags.DEFINE_bool("stream_embed_head", _D.stream_embed_head, "Streaming: fetch e
 flags.DEFINE_enum("optimizer_mode", _D.optimizer_mode, ["auto", "per_unit", "whole_tree"], "Streaming: host optimizer mode.")
 flags.DEFINE_integer("device_budget_mb", None, "Streaming: refuse configs needing more device memory (MiB).")
 flags.DEFINE_enum("nonfinite", _D.nonfinite, ["raise", "skip"], "Streaming: a NaN/inf loss or gradient raises, or skips the step.")
-flags.DEFINE_integer("host_threads", None, "Streaming: threads of the fused host AdamW update (default: one per CPU).")
+flags.DEFINE_integer("host_threads", None, "Streaming: threads of the fused host AdamW update (default: one per CPU).", lower_bound=1)
 flags.DEFINE_integer("save_every", _D.save_every, "Checkpoint every N steps (0: never); rerunning resumes.")
 flags.DEFINE_integer("keep", _D.keep, "Complete checkpoints to keep.")
 flags.DEFINE_integer("host_memory_limit_mb", None, "Host memory the preflight may plan for (default: what is available).")
