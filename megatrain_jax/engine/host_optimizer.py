@@ -213,13 +213,14 @@ class HostOptimizer:
     self.before_donate: Callable[[Sequence[Any]], None] | None = None
     self.accum: list[jax.Array | None] = [None] * len(self.specs)
     on_host = self.host_sharding
-    if self.fused:  # one optax.adamw state per part
+    # Per-unit modes: `states[u][j]` is the state of unit u's part j.
+    if self.fused:  # optax.adamw's state of each flat part
       init = self._jit("init_flat", optimizer.init, out_shardings=on_host)
       self.states = [[init(p) for p in parts] for parts in self.parts]
-    elif self.mode in ("per_unit", "clipped"):
+    elif self.mode in ("per_unit", "clipped"):  # one part: the state of the unit's tree
       self.states = [
-          self._jit(("init", s), lambda m, s=s: optimizer.init(s.unflatten(m)),
-                    out_shardings=on_host)(parts[0])
+          [self._jit(("init", s), lambda m, s=s: optimizer.init(s.unflatten(m)),
+                     out_shardings=on_host)(parts[0])]
           for s, parts in zip(self.specs, self.parts)]
     else:
       self.state = jax.jit(lambda ms: optimizer.init(self._tree(ms)),
@@ -362,8 +363,8 @@ class HostOptimizer:
 
     fn = self._jit(("update", spec, acc is None, clip_norm is None), update,
                    donate_argnums=(0, 1))
-    master, self.states[u] = fn(self.parts[u][0], self.states[u], grad, acc, clip_norm)
-    self.parts[u] = (master,)
+    master, state = fn(self.parts[u][0], self.states[u][0], grad, acc, clip_norm)
+    self.parts[u], self.states[u] = (master,), [state]
 
   def stream_copy(self, u: int) -> jax.Array:
     """The compute-dtype flat copy of unit u's master. A separate call: on the CPU
@@ -426,8 +427,6 @@ class HostOptimizer:
 
   def _unit_state_leaves(self, u: int, join: Callable) -> list[Any]:
     """The leaves of unit u's optimizer state, its parts' leaves joined by `join`."""
-    if not self.fused:
-      return [join([x]) for x in jax.tree.leaves(self.states[u])]
     per_part = [jax.tree.leaves(s) for s in self.states[u]]
     return [join(list(xs)) for xs in zip(*per_part)]
 
@@ -466,18 +465,14 @@ class HostOptimizer:
       self.state = treedef.unflatten([put(arrays[f"state_{i:03d}"]) for i in range(len(leaves))])
       return
     bounds = self.bounds[name]
-    self.parts[name] = tuple(put(arrays["master"][lo:hi]) for lo, hi in bounds)
+    # A part's share of a joined array (count scalars are the same in every part).
+    share = lambda a, lo, hi: np.asarray(a)[lo:hi] if len(bounds) > 1 and np.ndim(a) else a
+    self.parts[name] = tuple(put(share(arrays["master"], lo, hi)) for lo, hi in bounds)
     if self.mode == "whole_tree":
-      return
-    if not self.fused:
-      leaves, treedef = jax.tree.flatten(self.states[name])
-      self.states[name] = treedef.unflatten(
-          [put(arrays[f"state_{i:03d}"]) for i in range(len(leaves))])
       return
     states = []
     for j, (lo, hi) in enumerate(bounds):
       leaves, treedef = jax.tree.flatten(self.states[name][j])
       states.append(treedef.unflatten(
-          [put(a[lo:hi] if np.ndim(a) else a)
-           for a in (np.asarray(arrays[f"state_{i:03d}"]) for i in range(len(leaves)))]))
+          [put(share(arrays[f"state_{i:03d}"], lo, hi)) for i in range(len(leaves))]))
     self.states[name] = states
