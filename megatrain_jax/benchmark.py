@@ -262,8 +262,9 @@ def loop_fusions(compiled_hlo: str, n: int) -> int:
 
 
 def host_optimizer_profile(s: Suite) -> dict[str, Any]:
-  """Where the host AdamW's time goes, against the same donated triad: the engine's
-  fused update and stock `optax.adamw` on one buffer; the fused update over
+  """Where the host AdamW's time goes, against the same donated triad: the fused
+  AdamW expression (`fused_adamw_update`) and stock `optax.adamw` on one whole
+  buffer; the fused expression over
   `s.opt_slab`-sized buffers, small enough that what one pass writes is still in
   the last-level cache when the next reads it; one such buffer updated over and
   over (no DRAM traffic: the arithmetic's own ceiling); and the engine's in-place,

@@ -252,11 +252,8 @@ class HostOptimizer:
     return [parts[0] for parts in self.parts]
 
   def master(self, u: int) -> np.ndarray:
-    """Unit u's flat fp32 master on the host (a view when it is one part)."""
-    parts = self.parts[u]
-    if len(parts) == 1:
-      return np.asarray(parts[0])
-    return np.concatenate([np.asarray(p) for p in parts])
+    """A copy of unit u's flat fp32 master, its parts joined, as a numpy array."""
+    return np.concatenate([np.asarray(p) for p in self.parts[u]])
 
   def master_bytes(self) -> int:
     return sum(p.nbytes for parts in self.parts for p in parts)
@@ -329,11 +326,11 @@ class HostOptimizer:
   def _update_parts(self, u, grad, acc, clip_norm) -> None:
     """The fused AdamW update of unit u, each part on its own thread."""
     size = self.specs[u].size
-    fns = [self._jit(("part", size, lo, hi, acc is None, clip_norm is None),
+    fns = [self._jit(("part", size, lo),
                      chunked_adamw_update(self.optimizer.hyper, lo, self.chunk,
                                           max_norm=self.max_norm),
                      donate_argnums=(0, 1))
-           for lo, hi in self.bounds[u]]
+           for lo, _ in self.bounds[u]]
 
     def run(j):
       out = fns[j](self.parts[u][j], self.states[u][j], grad, acc, clip_norm)
@@ -435,7 +432,7 @@ class HostOptimizer:
     if name == "optimizer":
       leaves = jax.tree.leaves(self.state)
       return {f"state_{i:03d}": np.array(x) for i, x in enumerate(leaves)}
-    out = {"master": np.array(self.master(name))}
+    out = {"master": self.master(name)}
     if self.mode != "whole_tree":
       join = lambda xs: (np.concatenate([np.asarray(x) for x in xs])
                          if len(xs) > 1 and np.ndim(xs[0]) else np.array(xs[0]))

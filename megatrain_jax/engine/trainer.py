@@ -863,8 +863,9 @@ class StreamingTrainer:
     """The fp32 master parameters as a tree of numpy arrays (same as the model's)."""
     if self._threads_open:
       self._wait_workers()
-    units = [s.unflatten(self.host_opt.master(u)) for u, s in enumerate(self.specs)]
-    return self._assemble([jax.tree.map(np.array, t) for t in units])
+    # Each unit's leaves are views of its own fresh copy.
+    return self._assemble([s.unflatten(self.host_opt.master(u))
+                           for u, s in enumerate(self.specs)])
 
   @property
   def step_count(self) -> int:
@@ -925,7 +926,7 @@ class StreamingTrainer:
     """Unit u's fp32 master parameters as a tree of numpy arrays (a copy)."""
     if self._threads_open:
       self._wait_workers()
-    return jax.tree.map(np.array, self.specs[u].unflatten(self.host_opt.master(u)))
+    return self.specs[u].unflatten(self.host_opt.master(u))
 
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times."""
