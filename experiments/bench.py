@@ -18,7 +18,7 @@ import json
 
 from absl import app, flags, logging
 
-from megatrain_jax import benchmark
+from megatrain_jax import bench
 from megatrain_jax.engine import host_memory
 from megatrain_jax.models.config import LlamaConfig
 
@@ -31,13 +31,13 @@ flags.DEFINE_integer("opt_slab", None, "Parameters per piece in the host-optimiz
 flags.DEFINE_integer("host_chunk", None, "Elements per step of the host AdamW's in-place "
                      "loop, in both host-optimizer parts (default: the engine's).",
                      lower_bound=1)
-flags.DEFINE_list("parts", list(benchmark.DEFAULT_PARTS),
-                  f"Parts of the suite to run, of {list(benchmark.PARTS)}.")
+flags.DEFINE_list("parts", list(bench.DEFAULT_PARTS),
+                  f"Parts of the suite to run, of {list(bench.PART_NAMES)}.")
 FLAGS = flags.FLAGS
 
 SUITES = {
-    "cpu": benchmark.Suite(),
-    "smoke": benchmark.Suite(
+    "cpu": bench.Suite(),
+    "smoke": bench.Suite(
         model=LlamaConfig(vocab_size=260, d_model=64, n_layers=4, n_heads=4, n_kv_heads=2,
                           d_ff=128, max_seq_len=128),
         batch_size=2, seq_len=64, warmup=1, reps=3, opt_params=2**20, opt_slab=2**16,
@@ -57,13 +57,13 @@ def main(argv):
   if FLAGS.host_chunk is not None:
     suite.host_chunk = FLAGS.host_chunk
   try:
-    result = benchmark.run_suite(suite, tuple(FLAGS.parts))
+    result = bench.run_suite(suite, tuple(FLAGS.parts))
   except ValueError as e:
     raise app.UsageError(str(e)) from None
   result["suite"] = FLAGS.suite
   with open(FLAGS.out, "w", encoding="utf-8") as f:
     json.dump(result, f, indent=2, sort_keys=True)
-  for key in benchmark.GOALS:
+  for key in bench.GOALS:
     if key in result:
       logging.info("%-28s %.3f", key, result[key])
   logging.info("Wrote %s.", FLAGS.out)

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import app, flags, logging
 
-from megatrain_jax import benchmark, metrics
+from megatrain_jax import bench, metrics
+from megatrain_jax.bench import steps
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.optim import adamw
@@ -54,7 +55,7 @@ def link_bandwidth(nbytes: int, reps: int) -> dict:
   for name, make in sources.items():
     arr = make()
     jax.block_until_ready(arr)
-    t = benchmark.median_times({"x": lambda: jax.device_put(arr, to_dev)}, 1, reps)["x"]
+    t = bench.median_times({"x": lambda: jax.device_put(arr, to_dev)}, 1, reps)["x"]
     out[f"h2d_gb_per_s_{name}"] = nbytes / t / 1e9
   if "h2d_gb_per_s_pinned_host" in out:
     for name in sources:
@@ -67,12 +68,12 @@ def stream_copy_cost(cfg: LlamaConfig, batch_size: int, seq_len: int, reps: int)
   """Streaming step time with each fetch casting the fp32 master (stream_copy="on_fetch",
   2 B/param less host memory in bf16) over keeping the pinned copies (the accelerator
   default), bf16 compute, timed side by side with the last updates waited for."""
-  batch = benchmark.synthetic_batch(cfg, batch_size, seq_len)
+  batch = bench.synthetic_batch(cfg, batch_size, seq_len)
   make = lambda mode: StreamingTrainer.from_config(
       cfg, adamw(1e-5), EngineConfig(compute_dtype=jnp.bfloat16, stream_copy=mode),
       jax.random.key(0))
   with make("keep") as keep, make("on_fetch") as fetch:
-    t = benchmark.median_times({"keep": lambda: (keep.step(batch), keep.wait()),
+    t = bench.median_times({"keep": lambda: (keep.step(batch), keep.wait()),
                                 "on_fetch": lambda: (fetch.step(batch), fetch.wait())},
                                1, reps)
   return {"on_fetch_over_keep": t["on_fetch"] / t["keep"],
@@ -81,12 +82,12 @@ def stream_copy_cost(cfg: LlamaConfig, batch_size: int, seq_len: int, reps: int)
 
 def largest_model(cfg: LlamaConfig, batch_size: int, seq_len: int, steps: int,
                   peak_tflops: float) -> dict:
-  batch = benchmark.synthetic_batch(cfg, batch_size, seq_len)
+  batch = bench.synthetic_batch(cfg, batch_size, seq_len)
   ec = EngineConfig(compute_dtype=jnp.bfloat16, prefetch_depth=2)
   t0 = time.perf_counter()
   with StreamingTrainer.from_config(cfg, adamw(1e-5), ec, jax.random.key(0)) as eng:
     build_s = time.perf_counter() - t0
-    t = benchmark.median_times({"s": lambda: eng.step(batch)}, 1, steps)["s"]
+    t = bench.median_times({"s": lambda: eng.step(batch)}, 1, steps)["s"]
     st = eng.stats()
   tokens = batch_size * seq_len
   tflops = metrics.model_flops_per_token(cfg, seq_len) * tokens / t / 1e12
@@ -100,14 +101,14 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
   quick = FLAGS.quick
-  out = {"machine": benchmark.machine(), "peak_tflops": FLAGS.peak_tflops}
+  out = {"machine": bench.machine(), "peak_tflops": FLAGS.peak_tflops}
   out.update(link_bandwidth(2**20 if quick else 2**30, 3 if quick else 5))
   logging.info("link: %s", out)
   save(out)
   fits = TINY if quick else FITS
-  suite = benchmark.Suite(model=fits, batch_size=2 if quick else 4,
+  suite = bench.Suite(model=fits, batch_size=2 if quick else 4,
                           seq_len=64 if quick else 4096, warmup=1, reps=1 if quick else 3)
-  ratios = benchmark.step_ratios(suite)
+  ratios = steps.step_ratios(suite)
   out.update({f"fits_{k}": v for k, v in ratios.items()})
   logging.info("streaming / resident: %.3f", ratios["stream_over_resident_remat"])
   save(out)

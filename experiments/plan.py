@@ -5,13 +5,14 @@
   python experiments/plan.py --model=small --hardware=measured   # calibrates this machine (~15 s)
 
 Hardware: h200, gh200, h100_pcie, a100, rtx3090, rtx_a6000 (published peaks, sources in
-megatrain_jax/planner.py), or measured.
+megatrain_jax/planner/hardware.py), or measured.
 """
 
 from absl import app, flags
 
 from megatrain_jax import planner
 from megatrain_jax.engine import EngineConfig, host_memory
+from megatrain_jax.engine.config import DTYPES
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.optim import adamw
 
@@ -20,7 +21,7 @@ flags.DEFINE_string("hf_config", None, "A Hugging Face config.json (overrides --
 flags.DEFINE_string("hardware", "h200", "A hardware profile, or 'measured'.")
 flags.DEFINE_string("batch_size", "8", "Sequences per step, or 'auto' (the largest that fits).")
 flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence.")
-flags.DEFINE_enum("compute_dtype", "bfloat16", ["float32", "bfloat16"], "Compute dtype.")
+flags.DEFINE_enum("compute_dtype", "bfloat16", list(DTYPES), "Compute dtype.")
 flags.DEFINE_integer("prefetch_depth", 2, "Units fetched ahead.")
 flags.DEFINE_integer("checkpoint_every", 1, "Activation checkpoint every N layers.")
 flags.DEFINE_integer("grad_accum", 1, "Micro-batches per step.")

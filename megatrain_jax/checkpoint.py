@@ -7,9 +7,11 @@ position, the run's settings, the layout and a CRC-32 of every array).
 
 - Layer by layer from host memory: the writer thread reads a `Snapshot` one
   unit at a time and never stages anything on the accelerator.
-- Asynchronous: `save` returns at once; training goes on while the writer works
-  (a unit the next step is about to change is copied first, see
-  `StreamingTrainer.snapshot`).
+- Asynchronous: `save` returns at once; training goes on while the writer works.
+  The trainer's `Snapshot` (`engine/state.py`) keeps the saved state that of the
+  save's step: an update copies a part the writer has not read yet, at most one
+  ahead of the writer, then waits for it. The writer reads the parts in the order
+  the updates change them, and closes the snapshot when it ends, failed or not.
 - Atomic: parts are written under `step_<N>.partial/`, which is renamed to
   `step_<N>/` once `meta.json` is on disk. A directory without the final name
   is not a checkpoint; it is removed, with a warning, the next time a manager
@@ -31,11 +33,13 @@ import shutil
 import threading
 import time
 import zlib
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+
+from megatrain_jax.engine.state import Snapshot, TrainerState
 
 FORMAT_VERSION = 1
 # Seconds the writer sleeps before each part: a fault-injection hook, so tests can
@@ -56,34 +60,6 @@ _QUIET = _QuietOrbax()
 
 class CheckpointError(RuntimeError):
   """A checkpoint could not be written or read back."""
-
-
-class Snapshot:
-  """One step's state, handed out part by part as host numpy arrays.
-
-  `copies` maps each part's key to a function that copies it to host memory.
-  `take(key)` returns the copy (made now, or earlier by `before_change`);
-  `before_change(keys)` is called by the trainer before it changes those parts,
-  so each part is copied at most once and only while it still holds this step.
-  """
-
-  def __init__(self, keys: list[str], copies: dict[str, Callable[[], dict[str, np.ndarray]]]):
-    self.keys = list(keys)
-    self._copies = dict(copies)
-    self._taken: dict[str, dict[str, np.ndarray]] = {}
-    self._lock = threading.Lock()
-
-  def before_change(self, keys) -> None:
-    with self._lock:
-      for k in keys:
-        if k in self._copies:
-          self._taken[k] = self._copies.pop(k)()
-
-  def take(self, key: str) -> dict[str, np.ndarray]:
-    with self._lock:
-      if key in self._copies:
-        return self._copies.pop(key)()
-      return self._taken.pop(key)
 
 
 def checksum(arr: np.ndarray) -> int:
@@ -147,7 +123,7 @@ class CheckpointManager:
 
   # -- saving ---------------------------------------------------------------
 
-  def save(self, trainer, meta: dict[str, Any]) -> None:
+  def save(self, trainer: TrainerState, meta: dict[str, Any]) -> None:
     """Starts writing the trainer's state at its current step; returns at once.
 
     `meta` (JSON-serialisable: settings, data position) is stored beside it and
@@ -169,6 +145,8 @@ class CheckpointManager:
       self._write(step, snap, meta)
     except BaseException as e:  # pylint: disable=broad-except
       self._error = e
+    finally:
+      snap.close()  # releases its copies and any update waiting on it
 
   def _write(self, step: int, snap: Snapshot, meta: dict) -> None:
     t0 = time.perf_counter()
@@ -216,7 +194,8 @@ class CheckpointManager:
 
   # -- restoring ------------------------------------------------------------
 
-  def restore_latest(self, trainer, expect: dict[str, dict[str, Any]]) -> dict | None:
+  def restore_latest(self, trainer: TrainerState, expect: dict[str, dict[str, Any]]
+                     ) -> dict | None:
     """Restores the newest readable checkpoint into `trainer`; returns its meta.
 
     `expect` holds sections of settings (e.g. {"model": ..., "run": ...}) that

@@ -1,12 +1,14 @@
 """Hugging Face checkpoints in and out: Llama, Qwen2 and Mistral safetensors on local disk.
 
     cfg, model = mt.hf.from_pretrained("path/to/dir")        # NNX model
-    trainer = mt.StreamingTrainer.from_pretrained("path/to/dir", optax.adamw(1e-5))
+    trainer = mt.hf.streaming_trainer("path/to/dir", optax.adamw(1e-5))
     mt.hf.save_pretrained(trainer, cfg, "out/dir")          # transformers loads it
 
-Reading goes tensor by tensor through `safetensors` (numpy; PyTorch is not
-needed), one unit at a time, so a checkpoint larger than the accelerator loads
-straight into the streaming engine's host store. `config.json` is mapped key by
+Every tensor's shape and dtype is checked against config.json from the file
+headers before anything is read or built. Reading then goes tensor by tensor with
+numpy (`safetensors_reader`: bf16 and fp16 converted exactly, no PyTorch), one
+unit at a time, so a checkpoint larger than the accelerator loads straight into
+the streaming engine's host store. `config.json` is mapped key by
 key: every key either maps onto `LlamaConfig`, is on the list of keys that do
 not change the model's math, or has a value checked to be the one this
 implementation computes. Anything else is refused with the whole list of what
@@ -22,10 +24,15 @@ from typing import Any, Callable, Iterator
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from absl import logging
 
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.llama import Llama, Params
+from megatrain_jax.resident import ResidentTrainer
+from megatrain_jax.safetensors_reader import TensorInfo, checkpoint_tensors, read_tensor
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                  "MistralForCausalLM": "mistral"}
@@ -106,20 +113,35 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
 
 
 def read_config(local_dir: str) -> tuple[LlamaConfig, str, dict[str, Any]]:
+  """The model config of a checkpoint directory's config.json.
+
+  Args:
+    local_dir: the directory.
+
+  Returns:
+    (LlamaConfig, architecture, the config.json dict).
+
+  Raises:
+    FileNotFoundError: no config.json.
+    ValueError: config.json is not JSON, or uses what is not implemented.
+  """
   path = os.path.join(local_dir, "config.json")
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} does not exist: pass a directory holding a Hugging "
                             "Face checkpoint (config.json and *.safetensors).")
-  with open(path, encoding="utf-8") as f:
-    hf = json.load(f)
+  try:
+    with open(path, encoding="utf-8") as f:
+      hf = json.load(f)
+  except ValueError as e:
+    raise ValueError(f"{path} is not valid JSON ({e}).") from None
   cfg, arch = config_from_hf(hf)
   return cfg, arch, hf
 
 
 # -- tensor names -----------------------------------------------------------------
 
-def _block_names(i: int, cfg: LlamaConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
-  """HF tensor name -> (path in our block tree, transpose?)."""
+def block_tensor_names(i: int, cfg: LlamaConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+  """Layer i's Hugging Face tensor names -> (path in our block tree, transposed?)."""
   pre = f"model.layers.{i}."
   names = {pre + "input_layernorm.weight": (("attn_norm", "scale"), False),
            pre + "post_attention_layernorm.weight": (("mlp_norm", "scale"), False)}
@@ -137,7 +159,7 @@ def _unit_names(cfg: LlamaConfig) -> list[dict[str, tuple[tuple[str, ...], bool]
   head = {"model.norm.weight": (("final_norm", "scale"), False)}
   if not cfg.tie_embeddings:
     head["lm_head.weight"] = (("lm_head", "kernel"), True)
-  return [embed] + [_block_names(i, cfg) for i in range(cfg.n_layers)] + [head]
+  return [embed] + [block_tensor_names(i, cfg) for i in range(cfg.n_layers)] + [head]
 
 
 def _set(tree: dict, path: tuple[str, ...], value) -> None:
@@ -146,7 +168,8 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
   tree[path[-1]] = value
 
 
-def _get(tree: dict, path: tuple[str, ...]):
+def tree_get(tree: dict, path: tuple[str, ...]):
+  """The leaf at `path` of a nested dict."""
   for k in path:
     tree = tree[k]
   return tree
@@ -154,61 +177,126 @@ def _get(tree: dict, path: tuple[str, ...]):
 
 # -- reading ----------------------------------------------------------------------
 
-class _Tensors:
-  """Tensors of a single or sharded safetensors checkpoint, opened lazily."""
+def _expected_shapes(cfg: LlamaConfig) -> list[dict[str, tuple[int, ...]]]:
+  """For each unit, HF tensor name -> the shape config.json implies for it."""
+  key = jax.random.key(0)
+  trees = [jax.eval_shape(lambda: llama.init_embed(cfg, key)),
+           jax.eval_shape(lambda: llama.init_block(cfg, key)),
+           jax.eval_shape(lambda: llama.init_head(cfg, key))]
+  out = []
+  for u, names in enumerate(_unit_names(cfg)):
+    tree = trees[0 if u == 0 else 2 if u == cfg.n_layers + 1 else 1]
+    out.append({name: tuple(reversed(tree_get(tree, path).shape)) if transpose
+                else tuple(tree_get(tree, path).shape)
+                for name, (path, transpose) in names.items()})
+  return out
 
-  def __init__(self, local_dir: str):
-    from safetensors import safe_open
-    self._open = safe_open
-    index = os.path.join(local_dir, "model.safetensors.index.json")
-    single = os.path.join(local_dir, "model.safetensors")
-    if os.path.exists(index):
-      with open(index, encoding="utf-8") as f:
-        self.where = {k: os.path.join(local_dir, v) for k, v in json.load(f)["weight_map"].items()}
-    elif os.path.exists(single):
-      with safe_open(single, framework="numpy") as f:
-        self.where = {k: single for k in f.keys()}
-    else:
-      raise FileNotFoundError(f"{local_dir} holds neither model.safetensors nor "
-                              "model.safetensors.index.json.")
-    self._files: dict[str, Any] = {}
 
-  def close(self) -> None:
-    for f in self._files.values():
-      f.__exit__(None, None, None)
-    self._files.clear()
+def check_checkpoint(local_dir: str, cfg: LlamaConfig) -> dict[str, TensorInfo]:
+  """Checks every tensor of a checkpoint against `cfg` from the file headers alone.
 
-  def get(self, name: str) -> np.ndarray:
-    if name not in self.where:
-      raise KeyError(f"The checkpoint has no tensor {name!r}.")
-    path = self.where[name]
-    if path not in self._files:
-      self._files[path] = self._open(path, framework="numpy").__enter__()
-    return self._files[path].get_tensor(name)
+  Args:
+    local_dir: the checkpoint directory.
+    cfg: the config read from its config.json.
+
+  Returns:
+    name -> TensorInfo of the tensors the model reads.
+
+  Raises:
+    ValueError: one message listing what does not match: tensors missing (with the
+      layers config.json promises and the weights hold), extra, of the wrong shape
+      or of a non-floating dtype, each with its file; or an unreadable file.
+    FileNotFoundError: no checkpoint file.
+  """
+  found = checkpoint_tensors(local_dir)
+  expected = _expected_shapes(cfg)
+  known = {n for names in expected for n in names}
+  problems = []
+  missing = [n for names in expected for n in names if n not in found]
+  if missing:
+    held = sorted({int(n.split(".")[2]) for n in found if n.startswith("model.layers.")})
+    absent = sorted({int(n.split(".")[2]) for n in missing if n.startswith("model.layers.")})
+    if absent and held and absent[0] > held[-1]:
+      problems.append(
+          f"config.json has num_hidden_layers={cfg.n_layers}, but the weights hold layers "
+          f"{held[0]}..{held[-1]}: model.layers.{absent[0]}. and later are missing")
+    problems += [f"{n} is missing" for n in missing
+                 if not (n.startswith("model.layers.") and held and absent
+                         and absent[0] > held[-1] and int(n.split(".")[2]) > held[-1])]
+  # Some tied checkpoints store lm_head.weight anyway (a copy of the embedding).
+  ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
+  extra = sorted(n for n in found if n not in known and n not in ignorable
+                 and not n.endswith("rotary_emb.inv_freq"))
+  if extra:
+    problems.append(f"it holds tensors this model does not use: {extra[:5]}"
+                    f"{' ...' if len(extra) > 5 else ''}")
+  for names in expected:
+    for name, shape in names.items():
+      info = found.get(name)
+      if info is None:
+        continue
+      if info.shape != shape:
+        problems.append(f"{name} in {info.path} has shape {info.shape}; config.json "
+                        f"implies {shape}")
+      if not info.floating:
+        problems.append(f"{name} in {info.path} is {info.dtype_name}, not a floating type")
+  if problems:
+    raise ValueError(f"The checkpoint in {local_dir} does not match its config.json: "
+                     + "; ".join(problems[:12]) + (" ..." if len(problems) > 12 else "")
+                     + ". Is config.json the one these weights were saved with?")
+  return found
 
 
 def load_units(local_dir: str, cfg: LlamaConfig | None = None) -> Iterator[Params]:
-  """Yields the unit trees (embed, each block, head) as fp32 numpy, one at a time."""
+  """The unit trees (embed, each block, head) as fp32 numpy, read one at a time.
+
+  Every tensor is checked against the config before this returns (before any
+  tensor is read), so a bad checkpoint fails here, never inside a step.
+
+  Args:
+    local_dir: the checkpoint directory.
+    cfg: its config (default: read from its config.json).
+
+  Returns:
+    An iterator over the unit trees.
+
+  Raises:
+    ValueError, FileNotFoundError: as `check_checkpoint`.
+  """
   cfg = cfg or read_config(local_dir)[0]
-  tensors = _Tensors(local_dir)
-  expected = _unit_names(cfg)
-  known = {n for names in expected for n in names}
-  # Some tied checkpoints store lm_head.weight anyway (a copy of the embedding).
-  ignorable = {"lm_head.weight"} if cfg.tie_embeddings else set()
-  extra = sorted(n for n in tensors.where if n not in known and n not in ignorable
-                 and not n.endswith("rotary_emb.inv_freq"))
-  if extra:
-    raise ValueError(f"The checkpoint holds tensors this model does not use: {extra[:5]}"
-                     f"{' ...' if len(extra) > 5 else ''}; is config.json the right one?")
-  try:
-    for names in expected:
+  found = check_checkpoint(local_dir, cfg)
+
+  def units():
+    for names in _unit_names(cfg):
       tree: dict = {}
       for name, (path, transpose) in names.items():
-        x = np.asarray(tensors.get(name), np.float32)
+        x = read_tensor(found[name])
         _set(tree, path, np.ascontiguousarray(x.T) if transpose else x)
       yield tree
-  finally:
-    tensors.close()
+
+  return units()
+
+
+def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
+                      config: EngineConfig | None = None, **kw) -> StreamingTrainer:
+  """A `StreamingTrainer` over a Llama / Qwen2 / Mistral checkpoint, loaded unit by unit
+  into the host store (the model is never whole on the device).
+
+  Args:
+    local_dir: the checkpoint directory.
+    optimizer: any Optax transform.
+    config: the engine config.
+    **kw: passed to `StreamingTrainer.from_units` (e.g. grad_hook).
+
+  Returns:
+    The trainer.
+
+  Raises:
+    ValueError, FileNotFoundError: a config or checkpoint that cannot be read (see
+      `read_config`, `check_checkpoint`).
+  """
+  cfg, _, _ = read_config(local_dir)
+  return StreamingTrainer.from_units(cfg, optimizer, config, load_units(local_dir, cfg), **kw)
 
 
 def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Llama]:
@@ -229,20 +317,21 @@ def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Lla
 # -- writing ----------------------------------------------------------------------
 
 def _unit_trees(obj) -> Iterator[Params]:
-  """Unit trees of a Llama, a StreamingTrainer or a ResidentTrainer (or a params tree)."""
+  """Unit trees of a Llama, a StreamingTrainer (read one unit at a time), a
+  ResidentTrainer or a whole parameter tree."""
   if isinstance(obj, Llama):
     yield obj.embed.tree()
     for b in obj.blocks:
       yield b.tree()
     yield obj.head.tree()
-  elif hasattr(obj, "unit_params"):
+  elif isinstance(obj, StreamingTrainer):
     for u in range(obj.n_units):
       yield obj.unit_params(u)
+  elif isinstance(obj, (ResidentTrainer, dict)):
+    yield from llama.split_units(obj.params() if isinstance(obj, ResidentTrainer) else obj)
   else:
-    tree = obj.params() if hasattr(obj, "params") else obj
-    yield tree["embed"]
-    yield from tree["blocks"]
-    yield tree["head"]
+    raise TypeError(f"save_pretrained takes a Llama, a trainer or a parameter tree, got "
+                    f"{type(obj).__name__}.")
 
 
 def hf_config(cfg: LlamaConfig, architecture: str | None = None,
@@ -300,7 +389,7 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
 
   for names, tree in zip(_unit_names(cfg), _unit_trees(model_or_trainer), strict=True):
     for name, (path, transpose) in names.items():
-      x = np.asarray(_get(tree, path), np.float32)
+      x = np.asarray(tree_get(tree, path), np.float32)
       x = np.ascontiguousarray(x.T) if transpose else x
       if current and size + x.nbytes > max_shard_bytes:
         flush()

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from megatrain_jax.batch import check_batch
-from megatrain_jax.checkpoint import Snapshot
+from megatrain_jax.engine.state import Snapshot, static_snapshot
+from megatrain_jax.models.batch import check_batch
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.models.loss import model_loss
 
@@ -95,9 +95,9 @@ class ResidentTrainer:
 
   def snapshot(self) -> Snapshot:
     """Host copies of the whole state, taken now (the next step donates it)."""
-    copies = {k: {f"leaf_{i:04d}": np.array(x) for i, x in enumerate(jax.tree.leaves(t))}
-              for k, t in self._parts().items()}
-    return Snapshot(list(copies), {k: (lambda v=v: v) for k, v in copies.items()})
+    return static_snapshot({k: {f"leaf_{i:04d}": np.array(x)
+                                for i, x in enumerate(jax.tree.leaves(t))}
+                            for k, t in self._parts().items()})
 
   def restore(self, read, step_count: int) -> None:
     parts = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -10,7 +11,6 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import optax
 from absl import logging
 from flax import nnx
@@ -21,74 +21,84 @@ from megatrain_jax import hf
 from megatrain_jax import planner
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import optim
-from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
+from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer, memory
 from megatrain_jax.models.config import LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.resident import ResidentTrainer
 
 ENGINES = ("streaming", "resident")
 DATA_FORMATS = ("text", "jsonl", *data_lib.INSTRUCT_FORMATS)
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def _field(default, help_text: str, **meta):
+  return dataclasses.field(default=default, metadata={"help": help_text, **meta})
 
 
 @dataclasses.dataclass
 class TrainConfig:
-  """One training run. The defaults are the README's main job (tiny model, stdlib)."""
+  """One training run. The defaults are the README's main job (tiny model, stdlib).
 
-  workdir: str = "runs/default"
-  model: str | LlamaConfig = "tiny"
-  engine: str = "streaming"
-  steps: int = 200
-  batch_size: int | str = 16  # or "auto": the largest the planner says fits
-  seq_len: int = 128
-  lr: float = 3e-3
-  warmup_steps: int = 20
-  weight_decay: float = 0.01
-  data: str = data_lib.STDLIB
-  # text (plain files; .jsonl files by suffix), jsonl ({"text"} per line), alpaca, sharegpt.
-  data_format: str = "text"
-  overlong: str = "truncate"  # instruction records longer than seq_len + 1: or "drop"
-  max_data_bytes: int | None = 4_000_000
-  # A Hugging Face Llama/Qwen2/Mistral directory: its config, weights and tokenizer.
-  hf_model_dir: str | None = None
-  export_dir: str | None = None  # where to write the trained model in HF format
-  seed: int = 0
-  log_every: int = 10
-  compute_dtype: str = "float32"
-  # Streaming engine (see megatrain_jax.EngineConfig).
-  prefetch_depth: int = 2
-  checkpoint_every: int = 1
-  grad_accum: int = 1
-  stream_embed_head: bool = True
-  optimizer_mode: str = "auto"
-  device_budget_bytes: int | None = None
-  nonfinite: str = "raise"
-  host_threads: int | None = None  # threads of the fused host AdamW (None: one per CPU)
-  # Checkpoints in <workdir>/checkpoints every `save_every` steps (0: none) and at
-  # the end; the last `keep` are kept. Rerunning with the same workdir resumes.
-  save_every: int = 100
-  keep: int = 2
-  # Host memory the preflight may plan for (None: what the kernel reports available).
-  host_memory_limit_bytes: int | None = None
-  progress: bool = True
+  Every field is a flag of `experiments/train.py` (its help below), and so is
+  every field of the nested `engine_config` (see `EngineConfig`).
+  """
+
+  workdir: str = _field("runs/default", "Output directory: metrics.jsonl, loss.png, "
+                        "checkpoints/. Rerunning with the same one resumes.")
+  model: Any = _field("tiny", "Model size: one of megatrain_jax.PRESETS (or a LlamaConfig "
+                      "from Python).")
+  engine: str = _field("streaming", "Trainer: the streaming engine, or the resident "
+                       "reference (the whole model on the device).", choices=ENGINES)
+  steps: int = _field(200, "Training steps.", low=1)
+  batch_size: Any = _field(16, "Sequences per step, or 'auto': the largest the planner "
+                           "says fits the device.", as_string=True)
+  seq_len: int = _field(128, "Tokens per sequence.", low=1)
+  lr: float = _field(3e-3, "Peak learning rate (warmup, then cosine decay).")
+  warmup_steps: int = _field(20, "Linear warmup steps.", low=0)
+  weight_decay: float = _field(0.01, "AdamW weight decay.", low=0)
+  data: str = _field(data_lib.STDLIB, "Comma-separated files/directories, or 'stdlib' "
+                     "(the Python standard library's source, no download).")
+  data_format: str = _field("text", "text: plain files (.jsonl by suffix); jsonl: "
+                            "{\"text\"} per line; alpaca; sharegpt.", choices=DATA_FORMATS)
+  overlong: str = _field("truncate", "Instruction records longer than seq_len + 1.",
+                         choices=data_lib.instruct.OVERLONG)
+  max_data_bytes: int | None = _field(4_000_000, "Stop reading data after this many "
+                                      "bytes.", low=1)
+  hf_model_dir: str | None = _field(None, "Hugging Face Llama/Qwen2/Mistral checkpoint "
+                                    "directory to fine-tune (config, safetensors, tokenizer).")
+  export_dir: str | None = _field(None, "Write the trained model here in Hugging Face "
+                                  "format.")
+  seed: int = _field(0, "Seed for init and data order.")
+  log_every: int = _field(10, "Log every N steps.", low=1)
+  save_every: int = _field(100, "Checkpoint every N steps and at the end (0: never).",
+                           low=0)
+  keep: int = _field(2, "Complete checkpoints to keep.", low=1)
+  host_memory_limit_bytes: int | None = _field(
+      None, "Host memory the preflight may plan for (default: what the kernel reports "
+      "available).", size=True, low=1)
+  simulated_link_gb_per_s: float | None = _field(
+      None, "Streaming: move bytes through a simulated link of this bandwidth "
+      "(SimulatedLink), to study overlap on a CPU.", low=0)
+  progress: bool = _field(True, "Show a progress bar on a terminal.")
+  engine_config: EngineConfig = _field(EngineConfig(), "The streaming engine's settings.",
+                                       flag=False)
 
   # Settings a resumed run must share with the run that wrote the checkpoint.
   RESUME_FIELDS = ("engine", "steps", "batch_size", "seq_len", "lr", "warmup_steps",
                    "weight_decay", "data", "data_format", "overlong", "max_data_bytes",
-                   "seed", "compute_dtype", "hf_model_dir")
-
-  def engine_config(self) -> EngineConfig:
-    return EngineConfig(
-        prefetch_depth=self.prefetch_depth, checkpoint_every=self.checkpoint_every,
-        compute_dtype=DTYPES[self.compute_dtype], grad_accum=self.grad_accum,
-        stream_embed_head=self.stream_embed_head, optimizer_mode=self.optimizer_mode,
-        device_budget_bytes=self.device_budget_bytes, nonfinite=self.nonfinite,
-        host_threads=self.host_threads)
+                   "seed", "hf_model_dir")
 
   def model_config(self) -> LlamaConfig:
+    """The model: the checkpoint's config with --hf_model_dir, else the preset."""
     if self.hf_model_dir:
       return hf.read_config(self.hf_model_dir)[0]
     return preset(self.model) if isinstance(self.model, str) else self.model
+
+  def streaming_config(self) -> EngineConfig:
+    """`engine_config`, with the simulated link when one is asked for."""
+    if self.simulated_link_gb_per_s:
+      return dataclasses.replace(self.engine_config,
+                                 transport=SimulatedLink(self.simulated_link_gb_per_s))
+    return self.engine_config
 
   def tokenizer(self):
     """The checkpoint's tokenizer.json with --hf_model_dir, else the byte tokenizer."""
@@ -97,44 +107,45 @@ class TrainConfig:
     return data_lib.ByteTokenizer()
 
   def validate(self) -> None:
+    """Checks the fields against each other and the model.
+
+    Raises:
+      ValueError: a field out of range, naming the flag and what to change.
+    """
+    for f in dataclasses.fields(self):
+      value, meta = getattr(self, f.name), f.metadata
+      if "choices" in meta and value not in meta["choices"]:
+        raise ValueError(f"--{f.name}={value!r} is not one of {meta['choices']}.")
+      if "low" in meta and value is not None and isinstance(value, (int, float)) \
+          and value < meta["low"]:
+        raise ValueError(f"--{f.name} must be >= {meta['low']}, got {value}.")
+    if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
+      raise ValueError(f"--workdir={self.workdir} is a file; give a directory (it is "
+                       "created if missing).")
     cfg = self.model_config()
+    if self.hf_model_dir:  # every tensor against config.json, from the file headers
+      hf.check_checkpoint(self.hf_model_dir, cfg)
+    ec = self.engine_config
     if self.batch_size == "auto":
       if self.engine != "streaming":
         raise ValueError("--batch_size=auto plans for the streaming engine; give a number "
                          "with --engine=resident.")
-    elif not isinstance(self.batch_size, int):
+    elif isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) \
+        or self.batch_size <= 0:
       raise ValueError(f"--batch_size must be a positive integer or 'auto', got "
                        f"{self.batch_size!r}.")
-    for name in ("steps", "seq_len", "log_every", "keep") + (
-        () if self.batch_size == "auto" else ("batch_size",)):
-      if getattr(self, name) <= 0:
-        raise ValueError(f"--{name} must be positive, got {getattr(self, name)}.")
-    if self.save_every < 0:
-      raise ValueError(f"--save_every must be >= 0 (0: no checkpoints), got "
-                       f"{self.save_every}.")
-    if self.engine == "resident" and self.nonfinite != "raise":
+    if self.engine == "resident" and ec.nonfinite != "raise":
       raise ValueError("--nonfinite=skip needs --engine=streaming; the resident trainer "
                        "raises on a non-finite step (and changes nothing).")
     if self.seq_len > cfg.max_seq_len:
       raise ValueError(f"--seq_len={self.seq_len} exceeds the model's max_seq_len="
                        f"{cfg.max_seq_len}; lower --seq_len or pick a larger --model.")
-    if self.engine not in ENGINES:
-      raise ValueError(f"--engine={self.engine!r} is not one of {ENGINES}.")
-    if self.compute_dtype not in DTYPES:
-      raise ValueError(f"--compute_dtype={self.compute_dtype!r} is not one of "
-                       f"{sorted(DTYPES)}.")
-    if self.engine == "streaming":
-      self.engine_config()  # validates the engine fields
-      if self.batch_size != "auto" and self.batch_size % self.grad_accum:
-        raise ValueError(f"--batch_size={self.batch_size} is not divisible by "
-                         f"--grad_accum={self.grad_accum}.")
+    if self.engine == "streaming" and self.batch_size != "auto" \
+        and self.batch_size % ec.grad_accum:
+      raise ValueError(f"--batch_size={self.batch_size} is not divisible by "
+                       f"--grad_accum={ec.grad_accum}.")
     if not self.lr > 0:
       raise ValueError(f"--lr must be positive, got {self.lr}.")
-    if self.data_format not in DATA_FORMATS:
-      raise ValueError(f"--data_format={self.data_format!r} is not one of {DATA_FORMATS}.")
-    if self.overlong not in data_lib.instruct.OVERLONG:
-      raise ValueError(f"--overlong={self.overlong!r} is not one of "
-                       f"{data_lib.instruct.OVERLONG}.")
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
@@ -149,21 +160,20 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
   """The trainer `tc.engine` names; both start from the same parameters for a seed."""
   key = jax.random.key(tc.seed)
   if tc.hf_model_dir and tc.engine == "streaming":
-    return StreamingTrainer.from_pretrained(tc.hf_model_dir, make_optimizer(tc),
-                                            tc.engine_config())
+    return hf.streaming_trainer(tc.hf_model_dir, make_optimizer(tc), tc.streaming_config())
   if tc.engine == "streaming":
-    return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.engine_config(), key)
+    return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.streaming_config(), key)
   if tc.hf_model_dir:
     model = hf.from_pretrained(tc.hf_model_dir)[1]
   else:
     model = Llama(cfg, rngs=nnx.Rngs(params=key))
-  return ResidentTrainer(model, make_optimizer(tc), compute_dtype=DTYPES[tc.compute_dtype])
+  return ResidentTrainer(model, make_optimizer(tc), compute_dtype=tc.engine_config.compute_dtype)
 
 
 def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
   """The largest batch the planner says fits the device (the budget, the accelerator,
   or on the CPU backend the host RAM the rest of the run leaves)."""
-  ec = tc.engine_config()
+  ec = tc.engine_config
   limit = ec.device_budget_bytes or memory.accelerator_bytes()
   if limit is None:
     host = memory.host_bytes(cfg, make_optimizer(tc), ec)["total"]
@@ -210,7 +220,7 @@ def export(tc: TrainConfig, cfg: LlamaConfig, trainer) -> None:
 def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
   """Host and device bytes the run needs; refuses (ValueError) a run that cannot fit."""
   resident = tc.engine == "resident"
-  plan = memory.check_fits(cfg, make_optimizer(tc), None if resident else tc.engine_config(),
+  plan = memory.check_fits(cfg, make_optimizer(tc), None if resident else tc.engine_config,
                            tc.batch_size, tc.seq_len, host_limit=tc.host_memory_limit_bytes,
                            resident=resident)
   logging.info("Memory plan: host %.3f GiB, device %.3f GiB (available host: %.1f GiB).",
@@ -221,7 +231,9 @@ def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
 
 def checkpoint_settings(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, Any]]:
   """What a checkpoint records and a resume compares."""
-  return {"model": cfg.to_dict(), "run": {k: getattr(tc, k) for k in tc.RESUME_FIELDS}}
+  run = {k: getattr(tc, k) for k in tc.RESUME_FIELDS}
+  run["compute_dtype"] = tc.engine_config.dtype_name
+  return {"model": cfg.to_dict(), "run": run}
 
 
 def run(tc: TrainConfig) -> list[dict[str, Any]]:
@@ -254,19 +266,33 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
       logging.info("The checkpoint in %s is at step %d: training is complete "
                    "(--steps=%d). Use a new --workdir to train again.",
                    tc.workdir, start, tc.steps)
+  except BaseException:
+    _close_quietly(ckpt, trainer)
+    raise
+  try:
+    if ckpt is not None:
+      ckpt.close()
   finally:
-    try:
-      if ckpt is not None:
-        ckpt.close()
-    finally:
-      if hasattr(trainer, "close"):
-        trainer.close()
+    if isinstance(trainer, StreamingTrainer):
+      trainer.close()  # raises what the last updates met, if anything
   records = metrics_lib.read_metrics(metrics_path)
   metrics_lib.plot_loss(records, os.path.join(tc.workdir, "loss.png"),
                         title=f"{tc.model if isinstance(tc.model, str) else 'custom'} "
                               f"({tc.engine})")
   logging.info("Wrote %s and loss.png.", metrics_path)
   return records
+
+
+def _close_quietly(ckpt, trainer) -> None:
+  """Closes both while an exception is on its way out: what closing meets is logged,
+  not raised over it."""
+  for thing in (ckpt, trainer):
+    if thing is not None and hasattr(thing, "close"):
+      try:
+        thing.close()
+      except Exception as e:  # pylint: disable=broad-except
+        logging.error("Closing %s also failed: %s: %s", type(thing).__name__,
+                      type(e).__name__, e)
 
 
 def _resume(tc, cfg, trainer, ckpt, dataset, metrics_path) -> int:
@@ -291,11 +317,8 @@ def _resume(tc, cfg, trainer, ckpt, dataset, metrics_path) -> int:
 def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int) -> None:
   flops_per_token = metrics_lib.model_flops_per_token(cfg, tc.seq_len)
   settings = checkpoint_settings(tc, cfg)
-  bar = None
-  if tc.progress:
-    from tqdm import tqdm
-    bar = tqdm(total=tc.steps, initial=start, desc="train", unit="step", dynamic_ncols=True)
-  with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer:
+  bar = progress_bar(tc.steps, start) if tc.progress else None
+  with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer, logs_around(bar):
     for step in range(start + 1, tc.steps + 1):
       batch = dataset.next_batch()
       t0 = time.perf_counter()
@@ -308,7 +331,7 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
         record = {"step": step, "loss": m["loss"], "grad_norm": m.get("grad_norm"),
                   "step_time_s": dt, "tokens_per_s": m["tokens"] / dt,
                   "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12}
-        if hasattr(trainer, "stats"):
+        if isinstance(trainer, StreamingTrainer):
           record["skipped_steps"] = trainer.stats()["skipped_steps"]
         writer.write(record)
         logging.info("step %d  loss %.4f  %.0f tok/s", step, m["loss"],
@@ -316,7 +339,42 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
       if ckpt is not None and (step % tc.save_every == 0 or step == tc.steps):
         ckpt.save(trainer, {**settings,
                             "data_position": dataclasses.asdict(dataset.position)})
-  if hasattr(trainer, "wait"):
-    trainer.wait()  # the last step's last updates, and anything they found
+    if isinstance(trainer, StreamingTrainer):
+      trainer.wait()  # the last step's last updates, and anything they found
   if bar is not None:
     bar.close()
+
+
+def progress_bar(total: int, start: int):
+  """A tqdm bar on a terminal; None elsewhere (CI, files), where each logged step is
+  one plain line."""
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
+             disable=None)
+  return None if bar.disable else bar
+
+
+@contextlib.contextmanager
+def logs_around(bar):
+  """While `bar` is shown, absl's log lines are written through tqdm, above the bar
+  (not over it)."""
+  handler = logging.get_absl_handler().python_handler
+  if bar is None:
+    yield
+    return
+  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
+  stream = handler.stream
+
+  class _AboveTheBar:
+    def write(self, text):
+      if text.strip():
+        tqdm.write(text.rstrip("\n"), file=stream)
+
+    def flush(self):
+      stream.flush()
+
+  handler.stream = _AboveTheBar()
+  try:
+    yield
+  finally:
+    handler.stream = stream

@@ -5,7 +5,6 @@ import os
 import subprocess
 import sys
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -85,11 +84,11 @@ def test_loss_and_layer_gradient_match_autograd(checkpoint):
   ref_loss.backward()
   np.testing.assert_allclose(loss, ref_loss.item(), rtol=1e-4)
   params = dict(ref.named_parameters())
-  names = hf._block_names(1, cfg)  # every tensor of layer 1, biases included for Qwen2
+  names = hf.block_tensor_names(1, cfg)  # every tensor of layer 1, biases included for Qwen2
   assert len(names) == (12 if case == "qwen2_qkv_bias" else 9)
   for name, (path, transpose) in names.items():
     want = params[name].grad.numpy()
-    got = np.asarray(hf._get(grads["blocks"][1], path))
+    got = np.asarray(hf.tree_get(grads["blocks"][1], path))
     got = got.T if transpose else got
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 1e-4 * scale, name
@@ -115,7 +114,7 @@ def test_sharded_checkpoint_streams_without_the_model_on_the_device(tmp_path):
   cfg, model = hf.from_pretrained(d)
   batch = _batch(3)
   want = mt.ResidentTrainer(model, optax.sgd(0.1)).step(batch)["loss"]
-  with mt.StreamingTrainer.from_pretrained(d, optax.sgd(0.1)) as eng:
+  with hf.streaming_trainer(d, optax.sgd(0.1)) as eng:
     got = eng.step(batch)["loss"]
     stats = eng.stats()
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -176,9 +175,9 @@ def test_hf_tokenizer_masks_every_assistant_turn(tmp_path):
   conv = [{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "w3 w4"},
           {"role": "user", "content": "w5"}, {"role": "assistant", "content": "w6"}]
   ids, mask = mt.data.encode_conversation(tok, conv)
-  trained = [tok._tok.id_to_token(i) for i, m in zip(ids, mask) if m]
+  trained = [tok.id_to_token(i) for i, m in zip(ids, mask) if m]
   assert trained == ["w3", "w4", "<|im_end|>", "w6", "<|im_end|>"]
-  assert "".join(tok._tok.id_to_token(i) for i in ids).count("<|im_start|>") == 4
+  assert "".join(tok.id_to_token(i) for i in ids).count("<|im_start|>") == 4
 
 
 def test_launcher_fine_tunes_and_exports_a_local_checkpoint(tmp_path):
@@ -203,3 +202,89 @@ def test_launcher_fine_tunes_and_exports_a_local_checkpoint(tmp_path):
   ids = _batch()["input_ids"]
   assert np.abs(_torch_logits(tuned, ids) - _torch_logits(base, ids)).max() > 1e-4
   assert os.path.exists(os.path.join(out, "tokenizer.json"))
+
+
+# --- Bad checkpoints: one clear message, before anything is built -------------------
+
+def _saved(tmp_path, case="llama_gqa"):
+  d = str(tmp_path / "ckpt")
+  _hf_model(case).save_pretrained(d)
+  return d
+
+
+def _rewrite_tensor(d, name, value):
+  from safetensors.numpy import load_file, save_file
+  path = os.path.join(d, "model.safetensors")
+  tensors = load_file(path)
+  tensors[name] = value
+  save_file(tensors, path, metadata={"format": "pt"})
+
+
+def test_a_tensor_of_the_wrong_shape_is_named_when_read(tmp_path):
+  d = _saved(tmp_path)
+  _rewrite_tensor(d, "model.layers.1.mlp.down_proj.weight", np.zeros((32, 48), np.float32))
+  for load in (lambda: hf.from_pretrained(d),
+               lambda: hf.streaming_trainer(d, optax.sgd(0.1))):
+    with pytest.raises(ValueError) as e:
+      load()
+    msg = str(e.value)
+    assert "model.layers.1.mlp.down_proj.weight" in msg and "(32, 64)" in msg
+    assert "(32, 48)" in msg and "model.safetensors" in msg
+
+
+def test_a_tensor_of_an_unreadable_dtype_is_named(tmp_path):
+  d = _saved(tmp_path)
+  _rewrite_tensor(d, "model.norm.weight", np.zeros((32,), np.int32))
+  with pytest.raises(ValueError, match=r"model\.norm\.weight.*int32.*floating"):
+    hf.from_pretrained(d)
+
+
+def test_a_truncated_safetensors_file_is_named(tmp_path):
+  d = _saved(tmp_path)
+  path = os.path.join(d, "model.safetensors")
+  with open(path, "r+b") as f:
+    f.truncate(100)
+  with pytest.raises(ValueError) as e:
+    hf.from_pretrained(d)
+  assert path in str(e.value) and "cannot be read" in str(e.value)
+
+
+def test_a_config_promising_more_layers_than_the_weights_is_named(tmp_path):
+  d = _saved(tmp_path)
+  with open(os.path.join(d, "config.json")) as f:
+    config = json.load(f)
+  config["num_hidden_layers"] = 3
+  with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump(config, f)
+  with pytest.raises(ValueError) as e:
+    hf.from_pretrained(d)
+  msg = str(e.value)
+  assert "num_hidden_layers=3" in msg and "model.layers.2." in msg and "missing" in msg
+
+
+@pytest.mark.parametrize("damage, message", [
+    ("shape", "model.layers.1.mlp.down_proj.weight"),
+    ("truncated", "cannot be read"),
+    ("layers", "num_hidden_layers=3"),
+])
+def test_the_launcher_prints_a_bad_checkpoint_as_one_message(tmp_path, damage, message):
+  d = _saved(tmp_path)
+  if damage == "shape":
+    _rewrite_tensor(d, "model.layers.1.mlp.down_proj.weight", np.zeros((32, 48), np.float32))
+  elif damage == "truncated":
+    with open(os.path.join(d, "model.safetensors"), "r+b") as f:
+      f.truncate(100)
+  else:
+    with open(os.path.join(d, "config.json")) as f:
+      config = json.load(f)
+    config["num_hidden_layers"] = 3
+    with open(os.path.join(d, "config.json"), "w") as f:
+      json.dump(config, f)
+  r = subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "train.py"),
+       f"--workdir={tmp_path}/run", f"--hf_model_dir={d}", "--steps=2", "--batch_size=2",
+       "--seq_len=16", "--max_data_bytes=20000"],
+      capture_output=True, text=True, timeout=300, cwd=REPO)
+  assert r.returncode != 0
+  assert message in r.stderr
+  assert "Traceback" not in r.stderr and "--prefetch_depth" not in r.stderr

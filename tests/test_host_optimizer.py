@@ -9,19 +9,15 @@ import optax
 import pytest
 
 from megatrain_jax import optim
-from megatrain_jax.engine.flat import FlatSpec
 from megatrain_jax.engine.host_optimizer import HostOptimizer, chunked_adamw_update, part_bounds
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
 
 
 def _opt(tx, sizes, threads, chunk, seed=0):
-  specs = [FlatSpec({"w": np.zeros((n,), np.float32)}) for n in sizes]
   rng = np.random.default_rng(seed)
   masters = [rng.standard_normal(n).astype(np.float32) for n in sizes]
-  return HostOptimizer(tx, specs, masters, assemble=list, split=list,
-                       compute_dtype=jnp.float32, mode="auto",
-                       host_device=jax.devices("cpu")[0], threads=threads, chunk=chunk)
+  return HostOptimizer.of_buffers(tx, masters, threads=threads, chunk=chunk)
 
 
 def _grads(sizes, steps, seed=1):

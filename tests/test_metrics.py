@@ -7,7 +7,10 @@ import jax.numpy as jnp
 
 import pytest
 
-from megatrain_jax import benchmark, metrics
+from megatrain_jax import bench, metrics
+from megatrain_jax.bench import host_memory as bench_memory
+from megatrain_jax.bench import host_optimizer as bench_opt
+from megatrain_jax.bench import link, steps, timing
 from megatrain_jax.engine import host_optimizer
 from megatrain_jax.models.config import preset
 from conftest import TINY
@@ -24,7 +27,7 @@ def test_model_flops_hand_count():
 
 
 def test_param_count_of_llama2_7b_is_exact():
-  assert benchmark.LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
+  assert metrics.LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
                                n_kv_heads=32, d_ff=11008).param_count() == 6_738_415_616
 
 
@@ -35,8 +38,8 @@ def test_host_opt_ratio_formula(monkeypatch):
     ran.update({k: jax.block_until_ready(fn()) for k, fn in fns.items()})
     return {"opt": 2.0, "update": 4.0, "triad": 1.0}
 
-  monkeypatch.setattr(benchmark, "median_times", fake_median_times)
-  out = benchmark.host_optimizer_bandwidth(benchmark.Suite(opt_params=1024, host_chunk=256))
+  monkeypatch.setattr(bench_opt, "median_times", fake_median_times)
+  out = bench_opt.host_optimizer_bandwidth(bench.Suite(opt_params=1024, host_chunk=256))
   # The engine's update: one part per thread, each a whole number of the suite's chunks.
   parts, _ = ran["opt"]
   assert len(parts) == min(host_optimizer.host_threads(), 4)
@@ -50,12 +53,12 @@ def test_loop_fusions_counts_the_passes_over_a_buffer():
   n = 4096
   x = jnp.arange(n, dtype=jnp.float32)
   hlo = lambda fn: jax.jit(fn).lower(x).compile().as_text()
-  assert benchmark.loop_fusions(hlo(lambda b: b * 0.5 + 1.0), n) == 1
+  assert bench_opt.loop_fusions(hlo(lambda b: b * 0.5 + 1.0), n) == 1
   # Two arrays of n written (the CPU backend makes no multi-output fusion), and a
   # reduction whose scalar output is not a pass over n elements.
   two = hlo(lambda b: (jnp.sin(b) * 2.0, jnp.cos(b) + 1.0, jnp.sum(b * b)))
-  assert benchmark.loop_fusions(two, n) == 2
-  assert benchmark.loop_fusions(two, n + 1) == 0
+  assert bench_opt.loop_fusions(two, n) == 2
+  assert bench_opt.loop_fusions(two, n + 1) == 0
 
 
 def test_host_optimizer_profile_formulas(monkeypatch):
@@ -66,9 +69,9 @@ def test_host_optimizer_profile_formulas(monkeypatch):
     return {"fused": 2.0, "stock": 4.0, "slabs": 1.0, "in_cache": 0.5, "one_thread": 3.0,
             "triad": 1.0}
 
-  monkeypatch.setattr(benchmark, "median_times", fake_median_times)
+  monkeypatch.setattr(bench_opt, "median_times", fake_median_times)
   n, slab = 4096, 1024
-  out = benchmark.host_optimizer_profile(benchmark.Suite(opt_params=n, opt_slab=slab))
+  out = bench_opt.host_optimizer_profile(bench.Suite(opt_params=n, opt_slab=slab))
   triad_bw = 12 * n / 1.0
   assert out["host_opt_profile_fused_bw_ratio"] == pytest.approx(28 * n / 2.0 / triad_bw)
   assert out["host_opt_profile_stock_bw_ratio"] == pytest.approx(28 * n / 4.0 / triad_bw)
@@ -82,14 +85,14 @@ def test_host_optimizer_profile_formulas(monkeypatch):
   assert len(ran["slabs"]) == n // slab and ran["slabs"][0][0].shape == (slab,)
   assert int(ran["fused"][1][0].count) == 1  # each timed update ran once, donated
   with pytest.raises(ValueError, match="opt_slab=8192 must be between 1 and opt_params=4096"):
-    benchmark.host_optimizer_profile(benchmark.Suite(opt_params=n, opt_slab=2 * n))
+    bench_opt.host_optimizer_profile(bench.Suite(opt_params=n, opt_slab=2 * n))
 
 
 def test_step_ratio_formula(monkeypatch):
-  monkeypatch.setattr(benchmark, "median_times",
+  monkeypatch.setattr(steps, "median_times",
                       lambda fns, warmup, reps: {"stream": 3.0, "remat": 2.0, "plain": 1.5})
-  suite = benchmark.Suite(model=TINY, batch_size=2, seq_len=8)
-  out = benchmark.step_ratios(suite)
+  suite = bench.Suite(model=TINY, batch_size=2, seq_len=8)
+  out = steps.step_ratios(suite)
   assert out["stream_over_resident_remat"] == pytest.approx(1.5)
   assert out["stream_over_resident"] == pytest.approx(2.0)
   assert out["tokens_per_s"] == pytest.approx(16 / 3.0)
@@ -98,11 +101,11 @@ def test_step_ratio_formula(monkeypatch):
 
 
 def test_link_ratio_formulas(monkeypatch):
-  monkeypatch.setattr(benchmark, "median_times", lambda fns, warmup, reps: {"c": 2.0})
-  monkeypatch.setattr(benchmark, "steady_step_times",
+  monkeypatch.setattr(link, "median_times", lambda fns, warmup, reps: {"c": 2.0})
+  monkeypatch.setattr(link, "steady_step_times",
                       lambda trainers, batch, warmup, reps: {"prefetch": 2.5, "none": 4.0,
                                                              "deeper": 2.0})
-  monkeypatch.setattr(benchmark, "layer_backward_time", lambda *a: 0.1)
+  monkeypatch.setattr(link, "layer_backward_time", lambda *a: 0.1)
 
   class FakeTrainer:
     def __init__(self, *a, **k):
@@ -114,15 +117,15 @@ def test_link_ratio_formulas(monkeypatch):
     def stats(self):
       return {"last_step": {"h2d_bytes": 3000}, "layer_bytes": 100}
 
-  monkeypatch.setattr(benchmark, "StreamingTrainer", FakeTrainer)
-  out = benchmark.link_ratios(benchmark.Suite(model=TINY, batch_size=2, seq_len=8))
+  monkeypatch.setattr(link, "StreamingTrainer", FakeTrainer)
+  out = link.link_ratios(bench.Suite(model=TINY, batch_size=2, seq_len=8))
   # Link: 100 B per layer in 0.1 s = 1e-6 GB/s; 3000 B per step take 3 s > 2 s compute.
   assert out["link_gb_per_s"] == pytest.approx(1e-6)
   assert out["link_transfer_s"] == pytest.approx(3.0)
   assert out["overlap_efficiency"] == pytest.approx(3.0 / 2.5)
   assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)
   assert out["overlap_efficiency_deeper_prefetch"] == pytest.approx(3.0 / 2.0)
-  assert out["link_deeper_prefetch_depth"] == benchmark.EngineConfig().prefetch_depth + 1
+  assert out["link_deeper_prefetch_depth"] == link.EngineConfig().prefetch_depth + 1
 
 
 def test_gpu_check_script_runs_in_quick_mode(tmp_path):
@@ -144,7 +147,7 @@ def test_gpu_check_script_runs_in_quick_mode(tmp_path):
 
 def test_steady_step_times_times_the_second_step_of_each_turn(monkeypatch):
   clock = {"t": 0.0}
-  monkeypatch.setattr(benchmark.time, "perf_counter", lambda: clock["t"])
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: clock["t"])
 
   class Fake:
     def __init__(self, durations):
@@ -158,17 +161,17 @@ def test_steady_step_times_times_the_second_step_of_each_turn(monkeypatch):
   # Per turn: an untimed step, then the timed one; warm-up turns are not timed.
   a = Fake([9, 9, 9, 1, 9, 3, 9, 2])
   b = Fake([9, 9, 9, 5, 9, 4, 9, 6])
-  t = benchmark.steady_step_times({"a": a, "b": b}, None, warmup=1, reps=3)
+  t = timing.steady_step_times({"a": a, "b": b}, None, warmup=1, reps=3)
   assert t == {"a": 2, "b": 5}
   assert a.calls[:3] == ["step", "step", "wait"] and len(a.calls) == 12
 
 
 def test_host_bytes_per_param_formula(monkeypatch):
   # (peak RSS of the training process - RSS before the model existed) / parameters.
-  monkeypatch.setattr(benchmark, "_rss_bytes", lambda: 1_000_000)
-  monkeypatch.setattr(benchmark.resource, "getrusage",
+  monkeypatch.setattr(bench_memory, "rss_bytes", lambda: 1_000_000)
+  monkeypatch.setattr(bench_memory.resource, "getrusage",
                       lambda who: types.SimpleNamespace(ru_maxrss=5_000))  # KiB
-  out = benchmark.host_memory_child("tiny", steps=1)
+  out = bench_memory.host_memory_child("tiny", steps=1)
   n = preset("tiny").param_count()
   assert out["rss_param_count"] == n
   assert out["host_bytes_per_param"] == (5_000 * 1024 - 1_000_000) / n
@@ -176,23 +179,23 @@ def test_host_bytes_per_param_formula(monkeypatch):
 
 def test_host_memory_reports_both_streaming_copy_settings(monkeypatch):
   runs = []
-  monkeypatch.setattr(benchmark, "_host_memory_run", lambda model, copy: (
+  monkeypatch.setattr(bench_memory, "host_memory_run", lambda model, copy: (
       runs.append((model, copy)) or {"host_bytes_per_param": {"auto": 13.0, "keep": 15.0}[copy]}))
-  out = benchmark.host_memory(benchmark.Suite(rss_model="tiny"))
+  out = bench_memory.host_memory(bench.Suite(rss_model="tiny"))
   assert runs == [("tiny", "auto"), ("tiny", "keep")]
   assert out["host_bytes_per_param"] == 13.0 and out["host_bytes_per_param_kept_copies"] == 15.0
 
 
 def test_run_suite_runs_the_named_parts_only(monkeypatch):
   ran = []
-  monkeypatch.setattr(benchmark, "PARTS", {
-      "steps": lambda s: ran.append("steps") or {"stream_over_resident_remat": 1.0},
-      "link": lambda s: ran.append("link") or {"overlap_efficiency": 1.0}})
-  out = benchmark.run_suite(benchmark.Suite(model=TINY), ("link",))
+  table = {"steps": lambda s: ran.append("steps") or {"stream_over_resident_remat": 1.0},
+           "link": lambda s: ran.append("link") or {"overlap_efficiency": 1.0}}
+  out = bench.run_suite(bench.Suite(model=TINY), ("link",), table=table)
   assert ran == ["link"] and out["overlap_efficiency"] == 1.0 and out["parts"] == ["link"]
   assert "stream_over_resident_remat" not in out
   with pytest.raises(ValueError, match=r"Unknown benchmark parts \['step'\]"):
-    benchmark.run_suite(benchmark.Suite(model=TINY), ("step",))
+    bench.run_suite(bench.Suite(model=TINY), ("step",), table=table)
+  assert sorted(bench.parts()) == sorted(bench.PART_NAMES)
 
 
 def test_template_profile_formula(monkeypatch):
@@ -202,8 +205,8 @@ def test_template_profile_formula(monkeypatch):
     calls["out"] = [jax.block_until_ready(fn()) for fn in fns.values()]  # both run
     return {"templates": 3.0, "remat": 2.0}
 
-  monkeypatch.setattr(benchmark, "median_times", fake_median_times)
-  out = benchmark.template_times(benchmark.Suite(model=TINY, batch_size=2, seq_len=8))
+  monkeypatch.setattr(steps, "median_times", fake_median_times)
+  out = steps.template_times(bench.Suite(model=TINY, batch_size=2, seq_len=8))
   assert out["templates_over_resident_remat"] == pytest.approx(1.5)
   g_embed, ok = calls["out"][0]  # the templates ran through to the embedding's gradient
   assert g_embed.shape == (TINY.vocab_size * TINY.d_model,) and bool(ok)

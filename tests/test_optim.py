@@ -4,7 +4,6 @@ import numpy as np
 import optax
 import pytest
 
-import megatrain_jax as mt
 from megatrain_jax import optim
 
 

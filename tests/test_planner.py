@@ -12,7 +12,7 @@ import pytest
 import megatrain_jax as mt
 from megatrain_jax import figures, planner
 from megatrain_jax import train as train_lib
-from megatrain_jax.benchmark import median_times, synthetic_batch
+from megatrain_jax.bench.timing import median_times, synthetic_batch
 from megatrain_jax.engine import memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,11 +104,11 @@ def test_plan_script_prints_the_table():
 def test_auto_batch_size_fills_the_budget(tmp_path):
   cfg = mt.preset("tiny")
   budget = 8 * 2**20
+  ec = mt.EngineConfig(device_budget_bytes=budget)
   tc = train_lib.TrainConfig(workdir=str(tmp_path), steps=1, batch_size="auto", seq_len=64,
-                             device_budget_bytes=budget, max_data_bytes=400_000,
+                             engine_config=ec, max_data_bytes=400_000,
                              save_every=0, progress=False)
   b = train_lib.auto_batch_size(tc, cfg)
-  ec = tc.engine_config()
   assert planner.device_total(cfg, ec, b, 64, flash_attention=False)["total"] <= budget
   assert planner.device_total(cfg, ec, b + 1, 64, flash_attention=False)["total"] > budget
   assert train_lib.run(tc)[0]["step"] == 1  # and the run goes through under the budget

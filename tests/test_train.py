@@ -5,6 +5,7 @@ import sys
 
 import pytest
 
+import megatrain_jax as mt
 from megatrain_jax import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -45,19 +46,21 @@ def test_launcher_bad_input_is_a_clear_error(tmp_path, flag, message):
   assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("changes, message", [
-    (dict(seq_len=100000), "max_seq_len"),
-    (dict(data="/nonexistent/corpus.txt"), "does not exist"),
-    (dict(data=""), "No data path"),
-    (dict(model="huge"), "Unknown model size"),
-    (dict(batch_size=0), "batch_size"),
-    (dict(grad_accum=3), "not divisible by --grad_accum=3"),
-    (dict(prefetch_depth=-1), "prefetch_depth"),
-    (dict(compute_dtype="float16"), "compute_dtype"),
+@pytest.mark.parametrize("changes, engine, message", [
+    (dict(seq_len=100000), {}, "max_seq_len"),
+    (dict(data="/nonexistent/corpus.txt"), {}, "does not exist"),
+    (dict(data=""), {}, "No data path"),
+    (dict(model="huge"), {}, "Unknown model size"),
+    (dict(batch_size=0), {}, "batch_size"),
+    (dict(keep=0), {}, "--keep must be >= 1"),
+    ({}, dict(grad_accum=3), "not divisible by --grad_accum=3"),
+    ({}, dict(prefetch_depth=-1), "prefetch_depth"),
+    ({}, dict(compute_dtype="float16"), "compute_dtype"),
 ])
-def test_bad_train_config_is_a_clear_error(tmp_path, changes, message):
-  tc = train_lib.TrainConfig(workdir=str(tmp_path), steps=2, progress=False, **changes)
+def test_bad_train_config_is_a_clear_error(tmp_path, changes, engine, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
+    tc = train_lib.TrainConfig(workdir=str(tmp_path), steps=2, progress=False,
+                               engine_config=mt.EngineConfig(**engine), **changes)
     train_lib.run(tc)
 
 
@@ -75,3 +78,18 @@ def test_streaming_and_resident_runs_agree(tmp_path):
                                           **common))
   for x, y in zip(a, b):
     assert abs(x["loss"] - y["loss"]) <= 1e-4 * y["loss"]
+
+
+def test_launcher_input_error_is_the_message_alone(tmp_path):
+  not_a_dir = tmp_path / "file.txt"
+  not_a_dir.write_text("x")
+  r = _run(f"--workdir={not_a_dir}", "--steps=2")
+  assert r.returncode != 0
+  assert f"--workdir={not_a_dir} is a file" in r.stderr
+  assert "Traceback" not in r.stderr
+  assert "--prefetch_depth" not in r.stderr  # no flag listing for an input error
+
+
+def test_launcher_flag_misuse_still_shows_the_flags(tmp_path):
+  r = _run(f"--workdir={tmp_path}", "--prefetch_depth=many")
+  assert r.returncode != 0 and "prefetch_depth" in r.stderr

@@ -8,7 +8,7 @@ depths for 14B on `h200` at 8 x 4096 tokens and at 1 x 1024 tokens (link-bound).
 The paper lost 31% without double buffering.
 """
 
-from megatrain_jax.figures import common
+from megatrain_jax import figures
 
 if __name__ == "__main__":
-  common.run_script("ablation")
+  figures.run_script("ablation")

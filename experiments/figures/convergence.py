@@ -6,7 +6,7 @@ Both trainers start from the same parameters and see the same batches of stdlib
 text; the curves overlay (fp32 on CPU they agree to rounding).
 """
 
-from megatrain_jax.figures import common
+from megatrain_jax import figures
 
 if __name__ == "__main__":
-  common.run_script("convergence")
+  figures.run_script("convergence")

@@ -7,7 +7,7 @@ Measured: a narrow model on this machine from 2 to 16 layers; the device peak st
 flat because only a few layers are ever on the device.
 """
 
-from megatrain_jax.figures import common
+from megatrain_jax import figures
 
 if __name__ == "__main__":
-  common.run_script("depth")
+  figures.run_script("depth")

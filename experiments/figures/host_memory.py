@@ -8,7 +8,7 @@ bytes the engine allocates on this machine for small presets (masters, optimizer
 streaming copies), beside the planner's count for the same configs.
 """
 
-from megatrain_jax.figures import common
+from megatrain_jax import figures
 
 if __name__ == "__main__":
-  common.run_script("host_memory")
+  figures.run_script("host_memory")

@@ -8,7 +8,7 @@ nothing fits, the row says so. Measured: a tiny model on this machine from 64 to
 tokens at a fixed 4K tokens per step.
 """
 
-from megatrain_jax.figures import common
+from megatrain_jax import figures
 
 if __name__ == "__main__":
-  common.run_script("seqlen")
+  figures.run_script("seqlen")

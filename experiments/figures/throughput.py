@@ -7,7 +7,7 @@ bf16 compute, for 7B..200B on the `h200` and `gh200` profiles. Measured: model T
 of the streaming engine on this machine for small presets.
 """
 
-from megatrain_jax.figures import common
+from megatrain_jax import figures
 
 if __name__ == "__main__":
-  common.run_script("throughput")
+  figures.run_script("throughput")

@@ -6,7 +6,7 @@ Predicted: 32 layers, d_model 2048 to 12288 (d_ff = 2.6875 x d), on `h200` and `
 batch 8 x 4096. Measured: 4 layers, d_model 64 to 256, on this machine.
 """
 
-from megatrain_jax.figures import common
+from megatrain_jax import figures
 
 if __name__ == "__main__":
-  common.run_script("width")
+  figures.run_script("width")

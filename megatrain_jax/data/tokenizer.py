@@ -103,6 +103,10 @@ class HFTokenizer:
       ids.append(self.eos_id)
     return ids
 
+  def id_to_token(self, i: int) -> str | None:
+    """The token string of id i (None when the vocabulary has no such id)."""
+    return self._tok.id_to_token(int(i))
+
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 

@@ -67,7 +67,8 @@ def thp_mode(path: str = _THP_MODE_FILE) -> str | None:
   return m.group(1) if m else None
 
 
-def _glibc_has_hugetlb() -> bool:
+def glibc_has_hugetlb() -> bool:
+  """Whether this is glibc 2.35 or later (it has the malloc huge-page tunable)."""
   name, version = platform.libc_ver()
   try:
     major, minor = (int(x) for x in version.split(".")[:2])
@@ -101,7 +102,7 @@ def use_huge_pages() -> None:
   MEGATRAIN_HUGE_PAGES=0). In a notebook, start the kernel with
   GLIBC_TUNABLES=glibc.malloc.hugetlb=1 instead.
   """
-  if platform.system() != "Linux" or not _glibc_has_hugetlb():
+  if platform.system() != "Linux" or not glibc_has_hugetlb():
     return
   env = huge_page_environ(os.environ, thp_mode())
   if env is None:

@@ -7,8 +7,7 @@ Element-wise transforms (adam, adamw, lion, sgd, their schedules) give the same
 result whether applied to the whole tree or unit by unit, so the engine updates a
 unit as soon as its gradient is on the host, while the backward goes on. A
 transform that needs the whole tree (`clip_by_global_norm`, anything mixing
-leaves) must see every gradient first; `probe_separable` tells the two apart by
-running both ways on a miniature copy of the model's tree.
+leaves) must see every gradient first; `engine/probe.py` tells the two apart.
 
 `mt.optim.adamw` runs fused, and in parallel over parts: each unit's master and
 moments are held as one contiguous part per host thread, and each thread updates
@@ -28,14 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from megatrain_jax.engine.config import HOST_CHUNK
 from megatrain_jax.engine.flat import FlatSpec
-from megatrain_jax.optim import (AdamW, AdamWHyper, ClipThen, adamw_moments, adamw_params,
-                                  adamw_scalars, clip_with_norm)
-
-MODES = ("auto", "per_unit", "whole_tree")
-# Elements per step of the fused update's loop: p, g, m and v of one chunk (512 KiB
-# at 2**15) stay in a core's L2 cache between reading and writing them.
-CHUNK = 2**15
+from megatrain_jax.engine.probe import Resolution, resolve_mode
+from megatrain_jax.models.llama import assemble_units, split_units
+from megatrain_jax.optim import AdamWHyper, adamw_moments, adamw_params, adamw_scalars, \
+    clip_with_norm
 
 
 def host_threads() -> int:
@@ -101,69 +98,6 @@ def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
   return update
 
 
-def _miniature(tree, rng: np.random.Generator, scale: float):
-  """Same structure and ranks, each dimension capped at 3."""
-  return jax.tree.map(
-      lambda x: jnp.asarray(scale * rng.standard_normal(
-          tuple(min(d, 3) for d in x.shape)), jnp.float32), tree)
-
-
-def probe_separable(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
-                    assemble: Callable[[Sequence[Any]], Any], steps: int = 3) -> bool:
-  """True when `optimizer` applied unit by unit equals it applied to the whole tree.
-
-  Runs `steps` updates both ways on miniature trees with large random gradients
-  (large enough that any norm clipping engages). Any error on the per-unit side
-  (e.g. a mask that needs the whole tree) also means "not separable".
-  """
-  rng = np.random.default_rng(0)
-  params = [_miniature(t, rng, 1.0) for t in unit_trees]
-  grads = [[_miniature(t, rng, 100.0) for t in unit_trees] for _ in range(steps)]
-  try:
-    whole = assemble(params)
-    state = optimizer.init(whole)
-    for g in grads:
-      upd, state = optimizer.update(assemble(g), state, whole)
-      whole = optax.apply_updates(whole, upd)
-    parts = list(params)
-    states = [optimizer.init(p) for p in parts]
-    for g in grads:
-      for i, (p, s) in enumerate(zip(parts, states)):
-        upd, states[i] = optimizer.update(g[i], s, p)
-        parts[i] = optax.apply_updates(p, upd)
-    a = jax.tree.leaves(whole)
-    b = jax.tree.leaves(assemble(parts))
-  except Exception:  # pylint: disable=broad-except
-    return False
-  return len(a) == len(b) and all(
-      np.allclose(x, y, rtol=1e-5, atol=1e-7) for x, y in zip(a, b))
-
-
-def resolve_mode(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
-                 assemble: Callable, mode: str):
-  """How the host runs `optimizer`: (mode, transform to run, clip max_norm, fused).
-
-  mode is "per_unit" (element-wise: update each unit as its gradient arrives),
-  "clipped" (`mt.optim.clip_by_global_norm` over an element-wise transform: the
-  norm from per-unit sums after the sweep, then per-unit updates) or
-  "whole_tree" (one update over the whole tree after the sweep).
-  """
-  if mode not in MODES:
-    raise ValueError(f"optimizer_mode={mode!r} is not one of {MODES}.")
-  max_norm = None
-  if (isinstance(optimizer, ClipThen) and mode == "auto"
-      and (isinstance(optimizer.inner, AdamW)
-           or probe_separable(optimizer.inner, unit_trees, assemble))):
-    max_norm, optimizer, mode = optimizer.max_norm, optimizer.inner, "clipped"
-  # `mt.optim.adamw` runs as one fused expression over each unit's flat buffer.
-  fused = isinstance(optimizer, AdamW) and mode != "whole_tree"
-  if fused and mode != "clipped":
-    mode = "per_unit"
-  if mode == "auto":
-    mode = "per_unit" if probe_separable(optimizer, unit_trees, assemble) else "whole_tree"
-  return mode, optimizer, max_norm, fused
-
-
 class HostOptimizer:
   """Masters, optimizer state and gradient accumulators of every unit, on the host.
 
@@ -177,11 +111,30 @@ class HostOptimizer:
   would on the model.
   """
 
-  def __init__(self, optimizer: optax.GradientTransformation, specs: Sequence[FlatSpec],
-               masters: Sequence[jax.Array], assemble: Callable, split: Callable,
-               compute_dtype, mode: str, host_device: jax.Device,
+  def __init__(self, resolution: Resolution, specs: Sequence[FlatSpec],
+               masters: Sequence[jax.Array], compute_dtype, host_device: jax.Device,
                stream_sharding: jax.sharding.Sharding | None = None,
-               threads: int | None = None, chunk: int = CHUNK):
+               threads: int | None = None, chunk: int = HOST_CHUNK,
+               assemble: Callable = assemble_units, split: Callable = split_units):
+    """Takes over the masters and builds the optimizer state beside them.
+
+    Args:
+      resolution: how to run the transform (`probe.resolve_mode`).
+      specs: each unit's flat layout.
+      masters: each unit's flat fp32 master (numpy or CPU-backend arrays); a list
+        is emptied as the parts take them over.
+      compute_dtype: the dtype of the streaming copies.
+      host_device: the CPU device the state lives on.
+      stream_sharding: where an update writes the new compute-dtype copy (None:
+        beside the master).
+      threads: threads of the fused AdamW (None: one per CPU).
+      chunk: elements per step of the fused AdamW's loop.
+      assemble: unit trees -> the whole tree (whole-tree mode).
+      split: the whole tree -> unit trees.
+
+    Raises:
+      ValueError: a bad thread count or chunk.
+    """
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int)
                                 or threads < 1):
       raise ValueError(f"threads must be a positive integer or None, got {threads!r}.")
@@ -193,9 +146,7 @@ class HostOptimizer:
     self.host_sharding = jax.sharding.SingleDeviceSharding(host_device)
     # Where an update writes the new compute-dtype copy (None: beside the master).
     self.stream_sharding = stream_sharding
-    trees = [s.abstract() for s in self.specs]
-    self.mode, self.optimizer, self.max_norm, self.fused = resolve_mode(
-        optimizer, trees, assemble, mode)
+    self.mode, self.optimizer, self.max_norm, self.fused = resolution[:4]
     optimizer = self.optimizer
     self.threads, self.chunk = threads or host_threads(), chunk
     self.bounds = [part_bounds(s.size, self.threads if self.fused else 1, chunk)
@@ -206,11 +157,10 @@ class HostOptimizer:
       self.parts.append(self._split_master(masters[u], bounds))
       if isinstance(masters, list):
         masters[u] = None  # its parts hold it now: never two copies of the model
-    self._pool = (concurrent.futures.ThreadPoolExecutor(self.threads, "megatrain-adamw")
-                  if self.fused and self.threads > 1 else None)
+    self._pool = None  # the fused update's threads, started at its first use
     # Called with the units (and "optimizer" for the whole-tree state) whose
     # buffers an update is about to donate; a pending checkpoint copies them first.
-    self.before_donate: Callable[[Sequence[Any]], None] | None = None
+    self._before_donate: Callable[[Sequence[Any]], None] | None = None
     self.accum: list[jax.Array | None] = [None] * len(self.specs)
     on_host = self.host_sharding
     # Per-unit modes: `states[u][j]` is the state of unit u's part j.
@@ -225,6 +175,33 @@ class HostOptimizer:
     else:
       self.state = jax.jit(lambda ms: optimizer.init(self._tree(ms)),
                            out_shardings=on_host)(self._whole_masters())
+
+  @classmethod
+  def of_buffers(cls, optimizer: optax.GradientTransformation, masters: Sequence[Any],
+                 mode: str = "auto", compute_dtype=jnp.float32,
+                 host_device: jax.Device | None = None, threads: int | None = None,
+                 chunk: int = HOST_CHUNK) -> "HostOptimizer":
+    """A host optimizer over plain flat buffers (each unit one leaf, {"w": buffer}),
+    the whole tree their list: for benchmarks, calibration and tests.
+
+    Args:
+      optimizer: the transform.
+      masters: flat fp32 buffers (numpy or CPU-backend arrays).
+      mode: as `EngineConfig.optimizer_mode`.
+      compute_dtype: the streaming copies' dtype.
+      host_device: the CPU device (default: the first).
+      threads: threads of the fused AdamW.
+      chunk: elements per step of its loop.
+
+    Returns:
+      The `HostOptimizer`.
+    """
+    specs = [FlatSpec({"w": jax.ShapeDtypeStruct((int(np.shape(m)[0]),), jnp.float32)})
+             for m in masters]
+    resolution = resolve_mode(optimizer, [s.abstract() for s in specs], mode, assemble=list)
+    return cls(resolution, specs, masters, compute_dtype,
+               host_device or jax.devices("cpu")[0], threads=threads, chunk=chunk,
+               assemble=list, split=list)
 
   # -- helpers ---------------------------------------------------------------
 
@@ -267,12 +244,22 @@ class HostOptimizer:
     states = self.states if self.mode != "whole_tree" else [self.state]
     return sum(x.nbytes for x in jax.tree.leaves(states) if hasattr(x, "nbytes"))
 
+  def set_before_donate(self, hook: Callable[[Sequence[Any]], None] | None) -> None:
+    """Sets (or clears, with None) what runs before an update donates buffers.
+
+    Args:
+      hook: called with the state names (units, and "optimizer" for the whole-tree
+        state) an update is about to change, on the thread that runs the update.
+    """
+    self._before_donate = hook
+
   def _donating(self, names) -> None:
-    if self.before_donate is not None:
-      self.before_donate(names)
+    hook = self._before_donate
+    if hook is not None:
+      hook(names)
 
   def close(self) -> None:
-    """Stops the update threads. Idempotent."""
+    """Stops the update threads (a later update starts them again). Idempotent."""
     if self._pool is not None:
       self._pool.shutdown(wait=True)
       self._pool = None
@@ -291,6 +278,14 @@ class HostOptimizer:
   def drop_gradients(self) -> None:
     """Forgets every accumulated gradient (a skipped or failed step)."""
     self.accum = [None] * len(self.specs)
+
+  def drop_gradient(self, u: int) -> None:
+    """Forgets unit u's accumulated gradient (its update was refused)."""
+    self.accum[u] = None
+
+  def gradient(self, u: int) -> np.ndarray | None:
+    """A copy of unit u's accumulated fp32 gradient (None when there is none)."""
+    return None if self.accum[u] is None else np.array(self.accum[u])
 
   def nonfinite_units(self) -> list[int]:
     """Units whose accumulated gradient holds a NaN or an infinity."""
@@ -336,9 +331,11 @@ class HostOptimizer:
       out = fns[j](self.parts[u][j], self.states[u][j], grad, acc, clip_norm)
       return jax.block_until_ready(out)
 
-    if self._pool is None or len(fns) == 1:
-      results = [run(j) for j in range(len(fns))]
+    if len(fns) == 1:
+      results = [run(0)]
     else:
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "megatrain-adamw")
       results = list(self._pool.map(run, range(len(fns))))
     self.parts[u] = tuple(p for p, _ in results)
     self.states[u] = [s for _, s in results]

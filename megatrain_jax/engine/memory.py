@@ -1,12 +1,16 @@
 """What a streaming run holds in host and device memory, by kind, before it is built.
 
-Everything here is arithmetic over the model's unit shapes (`jax.eval_shape`,
-no allocation), so a launcher can refuse a run that cannot fit before it spends
-anything. `StreamingTrainer.estimate_device_bytes` uses the same functions.
+Everything here is arithmetic over the model's unit shapes (`jax.eval_shape`, no
+allocation), so a launcher can refuse a run that cannot fit before it spends
+anything. The device side is one model, `step_plan`: it replays a micro-batch's
+`Schedule` the way the trainer runs it and returns the most bytes the engine's
+ledger can hold at once (`stats()["device_peak_bytes"]` never exceeds it; a test
+checks this). The trainer's budget check, the preflight and the planner all call it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from typing import Any
@@ -15,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax.engine.host_optimizer import resolve_mode
-from megatrain_jax.engine.workers import MAX_PENDING
+from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
+from megatrain_jax.engine.probe import resolve_for_config
+from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
@@ -52,33 +57,17 @@ def unit_sizes(cfg: LlamaConfig) -> list[int]:
   return list(_sizes(cfg))
 
 
-def checkpoint_groups(cfg: LlamaConfig, ec) -> list[tuple[int, int]]:
-  """Layer ranges [start, end) whose input is an activation checkpoint."""
-  c, n = ec.checkpoint_every, cfg.n_layers
-  return [(s, min(s + c, n)) for s in range(0, n, c)]
+def unit_param_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
+  """Bytes of each unit's compute-dtype copy (what a fetch moves)."""
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  return [cd * s for s in _sizes(cfg)]
 
 
-def schedule(cfg: LlamaConfig, ec) -> list[int]:
-  """Units in the order one micro-batch fetches them (0 = embed, 1..L = blocks,
-  L + 1 = head): the forward, the head (with the tied embedding), then the
-  backward's checkpoint groups from the top. Resident units are not fetched."""
-  head = cfg.n_layers + 1
-  streamed = lambda u: ec.stream_embed_head or u not in (0, head)
-  order = [0] + list(range(1, head)) + [head] + ([0] if cfg.tie_embeddings else [])
-  for s, e in reversed(checkpoint_groups(cfg, ec)):
-    order += [1 + i for i in range(s, e)]
-  return [u for u in order if streamed(u)]
-
-
-def held_units(cfg: LlamaConfig, ec) -> int:
-  """Parameter buffers the compute holds at once: a checkpoint group's layers in
-  its backward, or the head with the tied embedding."""
-  return max(ec.checkpoint_every, 2 if cfg.tie_embeddings and ec.stream_embed_head else 1)
-
-
-def prefetch_slots(cfg: LlamaConfig, ec) -> int:
-  """Parameter buffers in flight at once: the held ones plus the prefetched."""
-  return held_units(cfg, ec) + ec.prefetch_depth
+def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
+  """Bytes of each unit's gradient as it leaves the device: the compute dtype, but
+  fp32 for the embedding (its scatter-add is done in fp32)."""
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  return [s * (4 if u == 0 else cd) for u, s in enumerate(_sizes(cfg))]
 
 
 def on_cpu_backend() -> bool:
@@ -86,7 +75,7 @@ def on_cpu_backend() -> bool:
   return jax.devices()[0].platform == "cpu"
 
 
-def keeps_stream_copy(ec, on_cpu: bool | None = None) -> bool:
+def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
   """Whether a run keeps a compute-dtype copy of every unit in host memory
   (`EngineConfig.stream_copy`; "auto" keeps it only on an accelerator)."""
   if ec.stream_copy != "auto":
@@ -94,87 +83,277 @@ def keeps_stream_copy(ec, on_cpu: bool | None = None) -> bool:
   return not (on_cpu_backend() if on_cpu is None else on_cpu)
 
 
-def optimizer_mode(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec) -> str:
-  """The host optimizer mode the engine will run (see `resolve_mode`)."""
-  trees = unit_trees(cfg)
-  assemble = lambda u: {"embed": u[0], "blocks": list(u[1:-1]), "head": u[-1]}
-  return resolve_mode(optimizer, trees, assemble, ec.optimizer_mode)[0]
+# -- host ---------------------------------------------------------------------------
+
+def _state_bytes(cfg: LlamaConfig, optimizer) -> tuple[int, int, int]:
+  """Optimizer-state bytes of the embedding, one block and the head."""
+  return tuple(_nbytes(jax.eval_shape(optimizer.init, t)) for t in unit_trees(cfg))
 
 
-def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
-               on_cpu: bool | None = None) -> dict[str, int]:
+def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+                        ec: EngineConfig, max_copies: int = 1) -> int:
+  """The most bytes the updates copy for a checkpoint writer still at work.
+
+  Args:
+    cfg: the model.
+    optimizer: the transform the engine runs.
+    ec: the engine config.
+    max_copies: units an update may copy ahead of the writer (`snapshot(max_copies)`).
+
+  Returns:
+    `max_copies` x the largest unit's master and optimizer state. (The writer holds
+    one more unit while it writes it, counted in `host_bytes` as checkpoint_copies.)
+  """
+  r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
+  mode, inner = r.mode, r.optimizer
+  e, b, h = _sizes(cfg)[0], _sizes(cfg)[1], _sizes(cfg)[-1]
+  se, sb, sh = _state_bytes(cfg, inner)
+  if mode == "whole_tree":  # units hold masters; the state is one more part
+    largest = max(4 * max(e, b, h), se + cfg.n_layers * sb + sh)
+  else:
+    largest = max(4 * e + se, 4 * b + sb, 4 * h + sh)
+  return max_copies * largest
+
+
+def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+               ec: EngineConfig, on_cpu: bool | None = None) -> dict[str, int]:
   """Host bytes of a streaming run by kind, and their total.
 
-  masters: fp32 parameters. optimizer_state: the transform's state (from
-  `optimizer.init` traced on the unit shapes). gradient_buffers: fp32
-  accumulators of the whole model when updates wait for the sweep (a transform
-  needing the whole tree, nonfinite="skip") or grad_accum > 1; otherwise the
-  gradients queued between the transfer and optimizer threads. pinned_copies:
-  the compute-dtype streaming copy of every unit, plus one unit being replaced,
-  when the run keeps them (`keeps_stream_copy`; on_cpu: whether it runs on the
-  CPU backend, default this process's backend).
+  Args:
+    cfg: the model.
+    optimizer: the transform the engine runs.
+    ec: the engine config.
+    on_cpu: whether the run is on the CPU backend (default: this process's backend).
+
+  Returns:
+    masters: fp32 parameters. optimizer_state: the transform's state (from
+    `optimizer.init` traced on the unit shapes). gradient_buffers: fp32
+    accumulators of the whole model when updates wait for the sweep or
+    grad_accum > 1, plus the gradients queued between the threads.
+    pinned_copies: the compute-dtype copy of every unit plus one being replaced,
+    where they are kept (`keeps_stream_copy`). checkpoint_copies: what a save
+    adds while training goes on (`snapshot_copy_bytes`, plus the unit the writer
+    holds). total.
   """
-  trees = unit_trees(cfg)
   sizes = unit_sizes(cfg)
   n = sum(sizes)
   cd = jnp.dtype(ec.compute_dtype).itemsize
-  mode, inner, _, _ = resolve_mode(
-      optimizer, trees, lambda u: {"embed": u[0], "blocks": list(u[1:-1]), "head": u[-1]},
-      ec.optimizer_mode)
-  e, b, h = (_nbytes(jax.eval_shape(inner.init, t)) for t in trees)
+  r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
+  mode, inner = r.mode, r.optimizer
+  e, b, h = _state_bytes(cfg, inner)
   deferred = mode in ("whole_tree", "clipped") or ec.nonfinite == "skip"
-  queued = (2 * MAX_PENDING + 1) * 4 * max(sizes)
+  queued = (2 * MAX_PENDING_GRADIENTS + 1) * 4 * max(sizes)
+  copies = snapshot_copy_bytes(cfg, optimizer, ec)
   out = {
       "masters": 4 * n,
       "optimizer_state": e + cfg.n_layers * b + h,
       "gradient_buffers": (4 * n if deferred or ec.grad_accum > 1 else 0) + queued,
       "pinned_copies": cd * (n + max(sizes)) if keeps_stream_copy(ec, on_cpu) else 0,
+      "checkpoint_copies": 2 * copies,
   }
   out["total"] = sum(out.values())
   return out
 
 
-def device_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> dict[str, int]:
-  """Device bytes the engine holds for batches of this shape, by kind, and their total.
+# -- device -------------------------------------------------------------------------
 
-  Parameter buffers in flight (prefetch slots), resident units (embedding and
-  head with stream_embed_head=False), gradients waiting for the link, activation
-  checkpoints, a group's recomputed inputs with the running activation and
-  gradient, and one chunk of fp32 logits with its gradient. XLA's scratch space
-  inside one template is not included.
+@dataclasses.dataclass(frozen=True)
+class StepPlan:
+  """A micro-batch shape's schedule and the device bytes it peaks at.
+
+  Attributes:
+    schedule: the `Schedule`, with the start buffers that fit.
+    peak: bytes by kind at the moment of the peak, and "total".
   """
-  cd = jnp.dtype(ec.compute_dtype).itemsize
-  sizes = unit_sizes(cfg)
-  embed_head = (0, len(sizes) - 1)
-  streamed = [s for u, s in enumerate(sizes) if ec.stream_embed_head or u not in embed_head]
-  grad_bytes = [s * (4 if u == 0 else cd) for u, s in enumerate(sizes)]
+  schedule: Schedule
+  peak: dict[str, int]
+
+
+def _activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+                      seq_len: int) -> int:
+  return (batch_size // ec.grad_accum) * seq_len * cfg.d_model * jnp.dtype(
+      ec.compute_dtype).itemsize
+
+
+def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int
+            ) -> dict[str, int]:
+  """The ledger's largest total over one micro-batch, by kind (see `step_plan`)."""
+  unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
+  order = sched.fetch_order
+  both = order + order  # this micro-batch's fetches, then the next one's
+  widest = max(sched.limit(q) for q in range(len(order))) if order else 0
+  ahead = widest - sched.held
+
+  def params(p: int) -> int:
+    """Buffers alive while position p computes: released ones not yet reclaimed,
+    held ones and ones fetched ahead (in or out of order): at most the limit in
+    force, among the positions around p. The next micro-batch's fetches get no
+    start buffers before this one's compute is done."""
+    if not order:
+      return 0
+    lo, hi = max(0, p - widest + 1), min(len(both), p + widest + ahead)
+    count = max(sched.limit(q) if q < len(order) else sched.slots for q in range(lo, hi))
+    return sum(sorted((unit[u] for u in both[lo:hi]), reverse=True)[:count])
+
+  resident = sum(unit[u] for u in sched.resident_units())
+  tied_g = unit[0] if sched.tied else 0  # the head's gradient for the tied embedding
+  # The gradient queue, worst case (a slow link): it starts with the tail of the
+  # step before, and a new gradient waits for the oldest to leave when it is full.
+  queue = [grad[u] for u in sched.grad_order[-MAX_PENDING_GRADIENTS:]]
+  best: dict[str, int] = {"total": -1}
+  pos = {"p": -1}
+
+  def at(kinds: dict[str, int]) -> None:
+    kinds = {"params_in_flight": params(max(pos["p"], 0)), "resident_units": resident,
+             **kinds}
+    kinds["total"] = sum(kinds.values())
+    if kinds["total"] > best["total"]:
+      best.clear()
+      best.update(kinds)
+
+  def take(u: int) -> None:
+    if u not in sched.resident_units():
+      pos["p"] += 1
+
+  def send(g: int) -> None:
+    if len(queue) == MAX_PENDING_GRADIENTS:
+      queue.pop(0)
+    queue.append(g)
+
+  groups = sched.groups
+  L, c = sched.n_layers, groups[0][1] - groups[0][0]
+  take(0)
+  at({"gradients_in_flight": sum(queue)})
+  for i in range(L):
+    take(1 + i)
+    at({"activation_checkpoints": (i // c + 1) * act, "activations": act if i else 0,
+        "gradients_in_flight": sum(queue)})
+  take(sched.head)
+  if sched.tied:
+    take(0)
+  ckpts = len(groups) * act
+  at({"activation_checkpoints": ckpts, "activations": act,
+      "gradients_in_flight": sum(queue)})
+  at({"activation_checkpoints": ckpts, "activations": 2 * act,
+      "gradients_in_flight": sum(queue) + grad[sched.head] + tied_g})
+  send(grad[sched.head])
+  layer0 = 0
+  for gi, (s, e) in enumerate(reversed(groups)):
+    ckpts = (len(groups) - gi) * act
+    for i in range(s, e):
+      take(1 + i)
+    for j in range(e - s - 1):  # the group's inputs, recomputed
+      at({"activation_checkpoints": ckpts, "activations": (3 + j) * act,
+          "gradients_in_flight": sum(queue) + tied_g})
+    for j in reversed(range(e - s)):
+      recomputed = min(j + 1, e - s - 1) * act
+      at({"activation_checkpoints": ckpts, "activations": 2 * act + recomputed,
+          "gradients_in_flight": sum(queue) + tied_g})
+      new = grad[1 + s + j]
+      at({"activation_checkpoints": ckpts, "activations": 2 * act + recomputed,
+          "gradients_in_flight": sum(queue) + new + tied_g})
+      if s + j:
+        send(new)
+      else:
+        layer0 = new  # held until the embedding's gradient has left
+  at({"activations": 2 * act, "gradients_in_flight": sum(queue) + layer0 + tied_g})
+  at({"gradients_in_flight": sum(queue) + layer0 + grad[0]})
+  return best
+
+
+def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+              seq_len: int) -> StepPlan:
+  """The schedule and device peak of a step on batches [batch_size, seq_len].
+
+  The peak replays one micro-batch as the trainer runs it: parameter buffers (at
+  most the fetch's slot limit among the positions around the compute, released
+  ones counted until reclaimed), resident units, activation checkpoints, the
+  running activation and gradient, a group's recomputed inputs, and gradients
+  waiting for the link (a full queue of `MAX_PENDING_GRADIENTS`, plus the one just
+  made, plus layer 0's while the embedding's leaves, plus the tied embedding's
+  from the head). XLA's scratch inside one call (e.g. a chunk of logits) is not in
+  it. Extra start buffers (`EngineConfig.step_start_buffers`) are granted to as
+  many of a micro-batch's first fetches as keep the peak where it is without them.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step (split into `ec.grad_accum` micro-batches).
+    seq_len: tokens per sequence.
+
+  Returns:
+    The `StepPlan`.
+  """
+  # The transport does not change the bytes; leaving it out of the cache key keeps
+  # no transport alive.
+  return _step_plan(cfg, dataclasses.replace(ec, transport=None), batch_size, seq_len)
+
+
+@functools.lru_cache(maxsize=512)
+def _step_plan(cfg, ec, batch_size, seq_len) -> StepPlan:
+  act = _activation_bytes(cfg, ec, batch_size, seq_len)
+  base = Schedule.build(cfg, ec)
+  peak = _replay(cfg, ec, base, act)
+  forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
+                if u not in base.resident_units())
+  for extra in range(ec.step_start_buffers, 0, -1):
+    fits = lambda n: _replay(cfg, ec, dataclasses.replace(
+        base, start_buffers=extra, start_positions=n), act)["total"] <= peak["total"]
+    lo, hi = 0, forward  # the largest n that fits (fitting is monotone in n)
+    while lo < hi:
+      mid = (lo + hi + 1) // 2
+      lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    if lo:
+      return StepPlan(dataclasses.replace(base, start_buffers=extra, start_positions=lo),
+                      peak)
+  return StepPlan(base, peak)
+
+
+def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+                 seq_len: int) -> dict[str, int]:
+  """Device bytes of a step on batches of this shape, by kind, and their total:
+  the ledger's peak (`step_plan`) plus one chunk of fp32 logits with its gradient,
+  which lives inside the head's call.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    Bytes by kind and "total".
+  """
+  out = {k: v for k, v in step_plan(cfg, ec, batch_size, seq_len).peak.items()
+         if k != "total"}
   b = batch_size // ec.grad_accum
-  act = b * seq_len * cfg.d_model * cd
   chunk = ec.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size, b * seq_len)
-  out = {
-      "params_in_flight": prefetch_slots(cfg, ec) * cd * max(streamed or [0]),
-      "resident_units": 0 if ec.stream_embed_head else cd * (sizes[0] + sizes[-1]),
-      # One more than the queue holds: the next gradient exists while it waits to enter.
-      "gradients_in_flight": (MAX_PENDING + 1) * max(grad_bytes),
-      "activation_checkpoints": -(-cfg.n_layers // ec.checkpoint_every) * act,
-      "activations": (ec.checkpoint_every + 3) * act,
-      "logits_chunk": 2 * min(chunk, b * seq_len) * cfg.vocab_size * 4,
-  }
+  out["logits_chunk"] = 2 * min(chunk, b * seq_len) * cfg.vocab_size * 4
   out["total"] = sum(out.values())
   return out
+
+
+def static_device_bytes(cfg: LlamaConfig, ec: EngineConfig) -> int:
+  """Device bytes any batch needs: the parameter buffers in flight and the resident
+  units (what a budget must hold before a single activation)."""
+  sched = Schedule.build(cfg, ec)
+  unit = unit_param_bytes(cfg, ec)
+  streamed = [unit[u] for u in sched.fetch_order] or [0]
+  return sched.slots * max(streamed) + sum(unit[u] for u in sched.resident_units())
 
 
 def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation
                           ) -> dict[str, int]:
   """Device bytes of `ResidentTrainer`'s state: fp32 parameters, gradients and
   optimizer state (activations are not counted)."""
-  trees = unit_trees(cfg)
   n = sum(unit_sizes(cfg))
-  e, b, h = (_nbytes(jax.eval_shape(optimizer.init, t)) for t in trees)
+  e, b, h = _state_bytes(cfg, optimizer)
   out = {"params": 4 * n, "gradients": 4 * n, "optimizer_state": e + cfg.n_layers * b + h}
   out["total"] = sum(out.values())
   return out
 
+
+# -- limits and the preflight ---------------------------------------------------------
 
 def available_host_bytes() -> int:
   """Host memory the kernel says a new allocation can get (MemAvailable)."""
@@ -197,21 +376,52 @@ def accelerator_bytes() -> int | None:
   return stats.get("bytes_limit")
 
 
-def _parts(d: dict[str, int]) -> str:
-  return ", ".join(f"{k} {v / GiB:.2f}" for k, v in d.items() if k != "total")
+def describe(kinds: dict[str, int], unit: int = GiB) -> str:
+  """"kind 1.23, kind 0.50" in `unit`s (GiB by default), "total" left out."""
+  name = {GiB: "GiB", 2**20: "MiB"}.get(unit, "bytes")
+  return f"{name}: " + ", ".join(f"{k} {v / unit:.2f}" for k, v in kinds.items()
+                                 if k != "total")
 
 
-def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
-               batch_size: int, seq_len: int, host_limit: int | None = None,
-               device_limit: int | None = None, resident: bool = False
-               ) -> dict[str, dict[str, int]]:
-  """Refuses (ValueError, with the numbers and what to change) a run that cannot fit.
+def device_budget_error(where: str, need: dict[str, int], limit: int,
+                        unit: int = GiB) -> ValueError:
+  """The one message for a step over the device budget: the need by kind, the
+  limit, and what to change."""
+  scale = {GiB: "GiB", 2**20: "MiB"}.get(unit, "bytes")
+  return ValueError(
+      f"{where} needs about {need['total'] / unit:.3f} {scale} of device memory "
+      f"({describe(need, unit)}), over the device limit of {limit / unit:.3f} {scale}. "
+      "Lower the batch size or sequence length (or raise grad_accum), lower "
+      "prefetch_depth or checkpoint_every, stream the embedding and head, or raise "
+      "the budget (device_budget_bytes).")
 
-  host_limit defaults to `available_host_bytes()`; device_limit to the
-  EngineConfig's budget, else the accelerator's memory. On the CPU backend the
-  "device" is host memory, so device bytes count against the host limit too.
-  `resident=True` plans a `ResidentTrainer` (everything on the device).
-  Returns {"host": ..., "device": ...}.
+
+def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+               ec: EngineConfig | None, batch_size: int, seq_len: int,
+               host_limit: int | None = None, device_limit: int | None = None,
+               resident: bool = False) -> dict[str, dict[str, int]]:
+  """Refuses a run that cannot fit, before anything is allocated.
+
+  On the CPU backend the "device" is host memory, so device bytes count against
+  the host limit too.
+
+  Args:
+    cfg: the model.
+    optimizer: the transform the run uses.
+    ec: the engine config (None with `resident=True`).
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    host_limit: host bytes available (default: `available_host_bytes()`).
+    device_limit: device bytes available (default: the config's budget, else the
+      accelerator's memory).
+    resident: plan a `ResidentTrainer` (everything on the device) instead.
+
+  Returns:
+    {"host": bytes by kind, "device": bytes by kind}.
+
+  Raises:
+    ValueError: the run needs more host or device memory than there is, with the
+      numbers by kind and what to change.
   """
   if resident:
     host, dev = {"total": 0}, resident_device_bytes(cfg, optimizer)
@@ -223,9 +433,9 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
   host_need = host["total"] + (dev["total"] if on_cpu else 0)
   if host_need > host_limit:
     raise ValueError(
-        f"This run needs about {host_need / GiB:.2f} GiB of host memory (GiB: "
-        f"{_parts(host)}" + (f", device-side arrays on the CPU backend "
-                             f"{dev['total'] / GiB:.2f}" if on_cpu else "")
+        f"This run needs about {host_need / GiB:.2f} GiB of host memory ({describe(host)}"
+        + (f", device-side arrays on the CPU backend {dev['total'] / GiB:.2f}" if on_cpu
+           else "")
         + f"), but only {host_limit / GiB:.2f} GiB is available. Train a smaller model, "
         "use bfloat16 compute (halves the pinned copies) or EngineConfig(stream_copy="
         "'on_fetch') (none kept), keep grad_accum=1 with an "
@@ -234,10 +444,5 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
   limit = (ec.device_budget_bytes if ec is not None else None) or device_limit \
       or accelerator_bytes()
   if limit is not None and dev["total"] > limit:
-    raise ValueError(
-        f"A step on batch [{batch_size}, {seq_len}] needs about "
-        f"{dev['total'] / GiB:.3f} GiB of device memory (GiB: {_parts(dev)}), over the "
-        f"device limit of {limit / GiB:.3f} GiB. Lower the batch size or sequence "
-        "length (or raise grad_accum), lower prefetch_depth or checkpoint_every, or "
-        "raise the budget.")
+    raise device_budget_error(f"A step on batch [{batch_size}, {seq_len}]", dev, limit)
   return {"host": host, "device": dev}

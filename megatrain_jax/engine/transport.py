@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import threading
 import time
 
 import jax
@@ -124,15 +125,16 @@ class SimulatedLink(Transport):
   def __init__(self, gb_per_s: float, base: Transport | None = None):
     if not gb_per_s > 0:
       raise ValueError(f"SimulatedLink bandwidth must be positive, got {gb_per_s}.")
-    import threading
     self.gb_per_s = float(gb_per_s)
     self.base = base or DeviceTransport()
     self.device, self.host_device = self.base.device, self.base.host_device
     self._locks = {"h2d": threading.Lock(), "d2h": threading.Lock()}
+    self.bytes_moved = {"h2d": 0, "d2h": 0}  # what the link was charged, each way
 
   def _move(self, direction: str, move, array, nbytes: int | None = None):
     nbytes = array.nbytes if nbytes is None else nbytes
     with self._locks[direction]:
+      self.bytes_moved[direction] += nbytes
       t0 = time.perf_counter()
       out = move(array)
       delay = nbytes / (self.gb_per_s * 1e9) - (time.perf_counter() - t0)

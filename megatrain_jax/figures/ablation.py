@@ -10,7 +10,8 @@ The paper lost 31% without double buffering.
 
 from __future__ import annotations
 
-from megatrain_jax import benchmark, planner
+from megatrain_jax import bench, planner
+from megatrain_jax.bench import link
 from megatrain_jax.engine import EngineConfig, SimulatedLink
 from megatrain_jax.figures import common as figures
 from megatrain_jax.models.config import LlamaConfig
@@ -27,9 +28,9 @@ def rows(quick: bool):
       out.append({"source": "predicted", "setting": f"14B h200 {tokens[0]}x{tokens[1]}",
                   "prefetch_depth": depth, "step_time_s": p.step_s})
   cfg = (LlamaConfig(vocab_size=260, d_model=128, n_layers=3, n_heads=4, n_kv_heads=2,
-                     d_ff=384, max_seq_len=256) if quick else benchmark.BENCH_MODEL)
+                     d_ff=384, max_seq_len=256) if quick else bench.BENCH_MODEL)
   b, t = (2, 64) if quick else (4, 512)
-  layer_s = benchmark.layer_backward_time(cfg, b, t, 1, 3)
+  layer_s = link.layer_backward_time(cfg, b, t, 1, 3)
   layer_bytes = cfg.block_param_count() * 4
   gbps = layer_bytes / layer_s / 1e9
   for depth in ((0, 2) if quick else (0, 1, 2)):

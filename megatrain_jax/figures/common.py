@@ -13,10 +13,9 @@ import os
 from typing import Any, Callable, Sequence
 
 import jax
-from absl import logging
 
-from megatrain_jax.benchmark import median_times, synthetic_batch
-from megatrain_jax.engine import EngineConfig, StreamingTrainer, host_memory
+from megatrain_jax.bench.timing import median_times, synthetic_batch
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.optim import adamw
@@ -99,21 +98,3 @@ def draw_tflops(axes, rows, x: str, xlabels: tuple[str, str], paper=None) -> Non
     ax.set_xlabel(xlabel)
     ax.set_ylabel("model TFLOPS")
     ax.legend(fontsize=7)
-
-
-def run_script(name: str) -> None:
-  """The body of `experiments/figures/<name>.py`: --out_dir and --quick, then make()."""
-  from absl import app, flags  # pylint: disable=import-outside-toplevel
-  from megatrain_jax import figures as figures_lib  # pylint: disable=import-outside-toplevel
-
-  flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
-  flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
-
-  def main(argv):
-    del argv
-    host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
-    csv_path, png_path = figures_lib.FIGURES[name].make(flags.FLAGS.out_dir,
-                                                        flags.FLAGS.quick)
-    logging.info("Wrote %s and %s.", csv_path, png_path)
-
-  app.run(main)

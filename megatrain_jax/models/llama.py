@@ -89,14 +89,15 @@ _jit_init_block = jax.jit(init_block, static_argnums=0)
 _jit_init_head = jax.jit(init_head, static_argnums=0)
 
 
-def init_params(cfg: LlamaConfig, key: jax.Array) -> Params:
-  """The whole tree (device-resident); engines init unit by unit instead."""
-  return {
-      "embed": init_embed(cfg, unit_key(key, "embed")),
-      "blocks": [init_block(cfg, unit_key(key, "block", i))
-                 for i in range(cfg.n_layers)],
-      "head": init_head(cfg, unit_key(key, "head")),
-  }
+def assemble_units(units) -> Params:
+  """The whole model's tree from its unit trees in unit order (embed, blocks, head)."""
+  units = list(units)
+  return {"embed": units[0], "blocks": units[1:-1], "head": units[-1]}
+
+
+def split_units(tree: Params) -> list[Params]:
+  """The unit trees, in unit order, of a whole model's tree (`assemble_units` undone)."""
+  return [tree["embed"], *tree["blocks"], tree["head"]]
 
 
 # ----------------------------------------------------------------------------

@@ -1,0 +1,63 @@
+"""Host bytes per parameter of a training process, measured from its peak RSS."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax.bench.suite import Suite
+from megatrain_jax.bench.timing import synthetic_batch
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.models.config import preset
+from megatrain_jax.optim import adamw
+
+
+def rss_bytes() -> int:
+  """This process's resident memory now."""
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
+                      ) -> dict[str, Any]:
+  """Run in a fresh process: peak RSS of training `model_name`, per parameter."""
+  cfg = preset(model_name)
+  batch = synthetic_batch(cfg, 1, 64)
+  jax.block_until_ready(jnp.zeros(1) + 1)  # backend up before the baseline
+  base = rss_bytes()
+  ec = EngineConfig(compute_dtype=jnp.bfloat16, stream_copy=stream_copy)
+  with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
+    for _ in range(steps):
+      eng.step(batch)
+    n = eng.stats()["param_count"]
+  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  return {"host_bytes_per_param": (peak - base) / n, "rss_model": model_name,
+          "rss_param_count": n, "rss_peak_bytes": peak, "rss_baseline_bytes": base}
+
+
+def host_memory_run(model_name: str, stream_copy: str) -> dict[str, Any]:
+  code = ("import json; from megatrain_jax.bench import host_memory as m; "
+          "print('RESULT ' + json.dumps(m.host_memory_child("
+          f"{model_name!r}, stream_copy={stream_copy!r})))")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+  lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
+  if r.returncode != 0 or not lines:
+    raise RuntimeError(f"host-memory measurement failed:\n{r.stderr[-3000:]}")
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+def host_memory(s: Suite) -> dict[str, Any]:
+  """Host bytes per parameter with the engine's defaults (on the CPU backend each
+  fetch casts the master), and with the compute-dtype copies kept, as the default
+  does on an accelerator."""
+  out = host_memory_run(s.rss_model, "auto")
+  out["host_bytes_per_param_kept_copies"] = host_memory_run(
+      s.rss_model, "keep")["host_bytes_per_param"]
+  return out

@@ -1,0 +1,72 @@
+"""Overlap under a simulated link, and the double-buffering ablation."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from flax import nnx
+
+from megatrain_jax.bench.suite import Suite
+from megatrain_jax.bench.timing import median_times, steady_step_times, synthetic_batch
+from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer
+from megatrain_jax.models import llama
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.llama import Llama
+from megatrain_jax.optim import adamw
+
+
+def layer_backward_time(cfg: LlamaConfig, batch_size: int, seq_len: int, warmup: int,
+                        reps: int) -> float:
+  """Median time of one block's backward (vjp with its forward recomputed), jitted."""
+  p = llama.init_block(cfg, jax.random.key(0))
+  x = jax.random.normal(jax.random.key(1), (batch_size, seq_len, cfg.d_model))
+
+  @jax.jit
+  def bwd(p, x, g):
+    _, vjp = jax.vjp(lambda p, x: llama.block_apply(cfg, p, x), p, x)
+    return vjp(g)
+
+  return median_times({"b": lambda: bwd(p, x, x)}, warmup, reps)["b"]
+
+
+def link_ratios(s: Suite) -> dict[str, Any]:
+  """Overlap and the double-buffering ablation under a `SimulatedLink`.
+
+  The link is set so one layer's transfer takes as long as that layer's backward
+  compute, the longest per-layer phase (the forward is about a third of it). Then a
+  step moves 2 x L layers, so total transfer exceeds total compute, and perfect
+  overlap would make the step as long as the transfers.
+  """
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  model = lambda: Llama(cfg, rngs=nnx.Rngs(0))
+  t_layer = layer_backward_time(cfg, s.batch_size, s.seq_len, s.warmup, s.reps)
+  with StreamingTrainer(model(), adamw(1e-4), EngineConfig()) as eng:
+    compute = median_times({"c": lambda: eng.step(batch)}, s.warmup, s.reps)["c"]
+    h2d, layer = eng.stats()["last_step"]["h2d_bytes"], eng.stats()["layer_bytes"]
+  gbps = layer / t_layer / 1e9
+  transfer = h2d / (gbps * 1e9)
+  link = lambda: SimulatedLink(gbps)
+  # Reported beside the default: one more buffer in flight, which covers the wait
+  # at a step's start (docs/performance.md, "Where the link waits").
+  deeper = EngineConfig().prefetch_depth + 1
+  with StreamingTrainer(model(), adamw(1e-4), EngineConfig(transport=link())) as a, \
+       StreamingTrainer(model(), adamw(1e-4),
+                        EngineConfig(transport=link(), prefetch_depth=0)) as b, \
+       StreamingTrainer(model(), adamw(1e-4),
+                        EngineConfig(transport=link(), prefetch_depth=deeper)) as c:
+    t = steady_step_times({"prefetch": a, "none": b, "deeper": c}, batch, 1,
+                          max(3, s.reps // 2))
+  return {
+      "overlap_efficiency": max(compute, transfer) / t["prefetch"],
+      "no_prefetch_over_prefetch": t["none"] / t["prefetch"],
+      "overlap_efficiency_deeper_prefetch": max(compute, transfer) / t["deeper"],
+      "link_deeper_prefetch_depth": deeper,
+      "link_deeper_prefetch_step_time_s": t["deeper"],
+      "link_gb_per_s": gbps,
+      "link_layer_backward_s": t_layer,
+      "link_compute_s": compute,
+      "link_transfer_s": transfer,
+      "link_step_time_s": t["prefetch"],
+      "link_no_prefetch_step_time_s": t["none"],
+  }

@@ -1,0 +1,56 @@
+"""Runs the benchmark's parts and merges their figures (`experiments/bench.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from absl import logging
+
+from megatrain_jax.bench import host_memory, host_optimizer, link, steps
+from megatrain_jax.bench.suite import Suite, machine
+
+
+def parts() -> dict[str, Callable[[Suite], dict[str, Any]]]:
+  """Every part of the suite by name."""
+  return {"steps": steps.step_ratios, "link": link.link_ratios,
+          "host_optimizer": host_optimizer.host_optimizer_bandwidth,
+          "host_memory": host_memory.host_memory, "templates": steps.template_times,
+          "host_optimizer_profile": host_optimizer.host_optimizer_profile}
+
+
+# The parts behind the goals; "templates" and "host_optimizer_profile" are
+# profiles, run on request.
+DEFAULT_PARTS = ("steps", "link", "host_optimizer", "host_memory")
+PART_NAMES = ("steps", "link", "host_optimizer", "host_memory", "templates",
+              "host_optimizer_profile")
+
+
+def run_suite(s: Suite, names: tuple[str, ...] = DEFAULT_PARTS,
+              table: dict[str, Any] | None = None) -> dict[str, Any]:
+  """Runs the named parts of the suite and merges their figures.
+
+  Args:
+    s: the sizes.
+    names: parts to run, of `PART_NAMES`.
+    table: name -> part function (default: `parts()`).
+
+  Returns:
+    The figures, with the machine, model and sizes.
+
+  Raises:
+    ValueError: an unknown part name.
+  """
+  table = parts() if table is None else table
+  unknown = [p for p in names if p not in table]
+  if unknown:
+    raise ValueError(f"Unknown benchmark parts {unknown}; choose from {list(table)}.")
+  out: dict[str, Any] = {"machine": machine(), "model": dataclasses.asdict(s.model),
+                         "batch_size": s.batch_size, "seq_len": s.seq_len,
+                         "reps": s.reps, "warmup": s.warmup, "parts": list(names)}
+  for name in names:
+    t0 = time.perf_counter()
+    out.update(table[name](s))
+    logging.info("bench %s done in %.0f s", name, time.perf_counter() - t0)
+  return out

@@ -1,0 +1,86 @@
+"""The streaming step against the resident one, and the templates alone against both."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from megatrain_jax.bench.suite import Suite
+from megatrain_jax.bench.timing import median_times, synthetic_batch
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.metrics import model_flops_per_token
+from megatrain_jax.models.llama import Llama
+from megatrain_jax.optim import adamw
+from megatrain_jax.resident import ResidentTrainer
+
+
+def step_ratios(s: Suite) -> dict[str, Any]:
+  """Streaming vs resident step time on a model that fits, fp32."""
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  opt = lambda: optax.adamw(1e-4)
+  model = lambda: Llama(cfg, rngs=nnx.Rngs(0))
+  remat = ResidentTrainer(model(), opt(), remat=True)
+  plain = ResidentTrainer(model(), opt())
+  with StreamingTrainer(model(), adamw(1e-4), EngineConfig()) as eng:
+    # The streaming step's last updates are waited for inside its timing (a step
+    # alone, not overlapping the next one), so it is charged all of its work.
+    t = median_times({"stream": lambda: (eng.step(batch), eng.wait()),
+                      "remat": lambda: remat.step(batch),
+                      "plain": lambda: plain.step(batch)}, s.warmup, s.reps)
+    st = eng.stats()
+  tokens = s.batch_size * s.seq_len
+  return {
+      "stream_over_resident_remat": t["stream"] / t["remat"],
+      "stream_over_resident": t["stream"] / t["plain"],
+      "step_time_s": t["stream"],
+      "resident_remat_step_time_s": t["remat"],
+      "resident_step_time_s": t["plain"],
+      "tokens_per_s": tokens / t["stream"],
+      "model_tflops_per_s": model_flops_per_token(cfg, s.seq_len) * tokens / t["stream"] / 1e12,
+      "device_peak_bytes": st["device_peak_bytes"],
+      "layer_bytes": st["layer_bytes"],
+      "param_bytes": st["param_count"] * 4,
+      "param_count": st["param_count"],
+      "h2d_bytes_per_step": st["last_step"].get("h2d_bytes"),
+      "d2h_bytes_per_step": st["last_step"].get("d2h_bytes"),
+  }
+
+
+def template_times(s: Suite) -> dict[str, Any]:
+  """What the per-layer calls cost by themselves: the streaming templates called one
+  after another on units already on the device (no engine threads, transfers or
+  updates) against the resident remat step, and each block template's XLA scratch
+  (allocated afresh by every call on the CPU backend)."""
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  remat = ResidentTrainer(Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-4), remat=True)
+  with StreamingTrainer(Llama(cfg, rngs=nnx.Rngs(0)), adamw(1e-4), EngineConfig()) as eng:
+    n, tpl, tp = cfg.n_layers, eng.templates, eng.transport
+    ids, labels, mask = (tp.to_device(batch[k]) for k in ("input_ids", "labels", "loss_mask"))
+    units = [eng.unit_on_device(u) for u in range(n + 2)]
+    tied = units[0] if cfg.tie_embeddings else None
+    scale = jnp.float32(1.0 / batch["loss_mask"].sum())
+
+    def templates():
+      x, inputs = tpl.embed_fwd(units[0], ids), []
+      for i in range(n):
+        inputs.append(x)
+        x = tpl.block_fwd(units[1 + i], x)
+      _, g, _, g_e, _ = tpl.head(units[n + 1], tied, x, labels, mask, scale)
+      for i in reversed(range(n)):
+        g, _, _ = tpl.block_bwd(units[1 + i], inputs[i], g)
+      return tpl.embed_bwd(ids, g, g_e)
+
+    t = median_times({"templates": templates, "remat": lambda: remat.step(batch)},
+                     s.warmup, s.reps)
+    x = tpl.embed_fwd(units[0], ids)
+    scratch = {name: fn.lower(*args).compile().memory_analysis()
+               for name, fn, args in (("block_fwd", tpl.block_fwd, (units[1], x)),
+                                      ("block_bwd", tpl.block_bwd, (units[1], x, x)))}
+  return {"templates_step_time_s": t["templates"],
+          "templates_over_resident_remat": t["templates"] / t["remat"],
+          "templates_resident_remat_step_time_s": t["remat"],
+          **{f"{k}_scratch_bytes": getattr(m, "temp_size_in_bytes", None)
+             for k, m in scratch.items()}}

@@ -1,0 +1,103 @@
+"""Building a streaming trainer's parts from a config and the model's unit trees."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Iterator
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+from flax import nnx
+
+from megatrain_jax.engine import host_memory, memory
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.probe import FAST_PATH, resolve_for_config
+from megatrain_jax.engine.runtime import Runtime
+from megatrain_jax.engine.schedule import Schedule
+from megatrain_jax.engine.templates import Templates
+from megatrain_jax.engine.transport import DeviceTransport, Transport
+from megatrain_jax.models import llama
+from megatrain_jax.models.config import LlamaConfig
+
+
+def host_units(cfg: LlamaConfig, key: jax.Array) -> Iterator[Any]:
+  """Every unit's initial parameters, built one at a time on the host CPU backend.
+
+  With the same key they equal `Llama(cfg, rngs=nnx.Rngs(params=key))`'s.
+
+  Args:
+    cfg: the model.
+    key: the PRNG key.
+
+  Yields:
+    The unit trees: embed, each block, head.
+  """
+  host = jax.devices("cpu")[0]
+  base = nnx.Rngs(params=key).params()  # the base key `Llama.__init__` draws
+  init_block = jax.jit(lambda k: llama.init_block(cfg, k), device=host)
+  with jax.default_device(host):
+    yield jax.jit(lambda k: llama.init_embed(cfg, k))(llama.unit_key(base, "embed"))
+    for i in range(cfg.n_layers):
+      yield init_block(llama.unit_key(base, "block", i))
+    yield jax.jit(lambda k: llama.init_head(cfg, k))(llama.unit_key(base, "head"))
+
+
+def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineConfig,
+          unit_trees: Iterable[Any], grad_hook: Callable | None = None
+          ) -> tuple[Schedule, Templates, Runtime]:
+  """The schedule, templates and running runtime of a streaming trainer.
+
+  The unit trees are flattened into the host store one at a time (each becomes
+  the unit's fp32 master), so the whole model never exists twice.
+
+  Args:
+    cfg: the model.
+    optimizer: any Optax transform.
+    ec: the engine config.
+    unit_trees: embed, each block, head (numpy or host arrays), consumed lazily.
+    grad_hook: see `GradientPipeline`.
+
+  Returns:
+    (schedule, templates, runtime).
+
+  Raises:
+    ValueError: the parameters in flight alone exceed the device budget, the
+      transform cannot run as `optimizer_mode` asks, or the wrong number of units.
+  """
+  if ec.return_freed_memory:
+    host_memory.return_freed_memory()
+  schedule = Schedule.build(cfg, ec)
+  transport: Transport = ec.transport or DeviceTransport()
+  resolution = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
+  if resolution.mode == "whole_tree" and ec.optimizer_mode == "auto":
+    logging.info("optimizer_mode auto: whole_tree, because %s. Each step's update then "
+                 "waits for the whole backward. %s", resolution.reason, FAST_PATH)
+  static = memory.static_device_bytes(cfg, ec)
+  if ec.device_budget_bytes is not None and static > ec.device_budget_bytes:
+    raise memory.device_budget_error("Holding the parameters in flight alone", {"total": static},
+                                     ec.device_budget_bytes, unit=2**20)
+  specs, masters = [], []
+  for u, tree in enumerate(unit_trees):
+    spec = FlatSpec(tree)
+    if 1 < u <= cfg.n_layers and spec == specs[-1]:
+      spec = specs[-1]  # blocks share one spec object, hence one template
+    specs.append(spec)
+    masters.append(spec.flatten_np(tree))
+  if len(specs) != schedule.n_units:
+    raise ValueError(f"Expected {schedule.n_units} units (embed, {cfg.n_layers} blocks, "
+                     f"head), got {len(specs)}.")
+  keep = memory.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
+  host_opt = HostOptimizer(resolution, specs, masters, jnp.dtype(ec.compute_dtype),
+                           transport.host_device, transport.stream_sharding(),
+                           threads=ec.host_threads, chunk=ec.host_chunk)
+  logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s%s, compute %s, "
+               "streaming copies %s.", len(specs), sum(s.size for s in specs) / 1e6,
+               host_opt.mode, f" (fused AdamW on {host_opt.threads} threads)"
+               if host_opt.fused else "", ec.dtype_name,
+               "kept" if keep else "made at each fetch")
+  templates = Templates(cfg, specs[0], specs[1] if cfg.n_layers else None, specs[-1],
+                        ec.compute_dtype, ec.loss_chunk_tokens)
+  return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)

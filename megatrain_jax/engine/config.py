@@ -1,0 +1,132 @@
+"""`EngineConfig`: how the streaming engine runs, with the value sets of its choices.
+
+Every field carries its help text in `metadata["help"]`; the launcher makes one flag
+per field from it (`megatrain_jax.config_flags`), so a new field reaches the command
+line without a second list.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+# The choices of the string-valued fields. Flags and checks read them from here.
+OPTIMIZER_MODES = ("auto", "per_unit", "whole_tree")
+NONFINITE_POLICIES = ("raise", "skip")
+STREAM_COPIES = ("auto", "keep", "on_fetch")
+# Compute dtypes by name; masters and optimizer state are always fp32.
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Elements per step of the fused host AdamW's in-place loop: p, g, m and v of one
+# chunk (512 KiB at 2**15) stay in a core's L2 cache between reading and writing them.
+HOST_CHUNK = 2**15
+# Gradients each engine queue holds at once (device -> host, then host -> optimizer):
+# a full queue makes the step wait, which bounds the gradients on the device.
+MAX_PENDING_GRADIENTS = 2
+
+
+def _field(default, help_text: str, **kw):
+  return dataclasses.field(default=default, metadata={"help": help_text, **kw})
+
+
+def dtype_name(dtype) -> str:
+  """"float32" or "bfloat16" for a compute dtype given as a name or a dtype.
+
+  Args:
+    dtype: a key of `DTYPES` or a dtype (e.g. `jnp.bfloat16`).
+
+  Returns:
+    The dtype's name in `DTYPES`.
+
+  Raises:
+    ValueError: the dtype is not one of `DTYPES`.
+  """
+  if isinstance(dtype, str):
+    if dtype not in DTYPES:
+      raise ValueError(f"compute_dtype={dtype!r} is not one of {sorted(DTYPES)}.")
+    return dtype
+  name = jnp.dtype(dtype).name
+  if name not in DTYPES:
+    raise ValueError(f"compute_dtype must be float32 or bfloat16, got {name}.")
+  return name
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """How the streaming engine runs. Each field's help is in its metadata (and
+  `python experiments/train.py --help` lists them as flags)."""
+
+  prefetch_depth: int = _field(
+      2, "Units fetched ahead of the one computing (0: each fetch waits for the "
+      "previous unit's compute, no overlap).", low=0)
+  checkpoint_every: int = _field(
+      1, "Keep a block's input every this many layers; the backward recomputes a "
+      "group of this many layers and holds their parameters for the group.", low=1)
+  compute_dtype: Any = _field(
+      jnp.float32, "Compute dtype, float32 or bfloat16; masters and optimizer state "
+      "stay fp32.", choices=tuple(DTYPES), flag_default="float32")
+  grad_accum: int = _field(
+      1, "Micro-batches per step; the batch size must divide by it.", low=1)
+  stream_embed_head: bool = _field(
+      True, "Fetch the embedding and head when used (else keep their compute copies "
+      "on the device, refreshed after each update).")
+  optimizer_mode: str = _field(
+      "auto", "Host optimizer: per_unit (update each unit as its gradient arrives; "
+      "only for transforms the probe proves element-wise), whole_tree (one update "
+      "after the sweep), or auto (probe the transform).", choices=OPTIMIZER_MODES)
+  device_budget_bytes: int | None = _field(
+      None, "Refuse configs and batches whose predicted device bytes exceed this "
+      "(None: the accelerator's memory).", low=1, size=True)
+  loss_chunk_tokens: int | None = _field(
+      None, "Tokens per chunk of fp32 logits in the loss (None: fit 256 MiB).", low=1)
+  transport: Any = _field(
+      None, "How bytes move (None: `DeviceTransport()`; the launcher's "
+      "--simulated_link_gb_per_s gives a `SimulatedLink`).", flag=False)
+  timeout_s: float = _field(
+      600.0, "Longest a caller waits on the engine (a fetch, a gradient slot, an "
+      "update) before a TimeoutError; an idle engine never times out.", positive=True)
+  return_freed_memory: bool = _field(
+      True, "Set glibc's mmap threshold so freed unit buffers go back to the system "
+      "(process-wide; see engine/host_memory.py).")
+  nonfinite: str = _field(
+      "raise", "A NaN or infinite loss or gradient: raise FloatingPointError, or skip "
+      "the step (every update then waits for the whole sweep).",
+      choices=NONFINITE_POLICIES)
+  stream_copy: str = _field(
+      "auto", "Where a fetch's compute-dtype copy comes from: keep (one per unit in "
+      "pinned host memory), on_fetch (cast from the fp32 master at each fetch), auto "
+      "(on_fetch on the CPU backend, keep on an accelerator).", choices=STREAM_COPIES)
+  host_threads: int | None = _field(
+      None, "Threads of the fused host AdamW, each on its own part of every unit "
+      "(None: one per CPU this process may use).", low=1)
+  host_chunk: int = _field(
+      HOST_CHUNK, "Elements each host AdamW thread updates at a time (p, g, m, v of a "
+      "chunk should fit a core's L2 cache).", low=1)
+  step_start_buffers: int = _field(
+      1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
+      "the forward holds few activations; only as many as stay within the step's "
+      "device peak are used (0: none).", low=0)
+
+  def __post_init__(self):
+    object.__setattr__(self, "compute_dtype", DTYPES[dtype_name(self.compute_dtype)])
+    for f in dataclasses.fields(self):
+      value, meta = getattr(self, f.name), f.metadata
+      if "choices" in meta and f.name != "compute_dtype" and value not in meta["choices"]:
+        raise ValueError(f"EngineConfig.{f.name}={value!r} is not one of "
+                         f"{meta['choices']}.")
+      if "low" in meta and not (value is None and f.default is None):
+        number = float if isinstance(f.default, float) else int
+        if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or (number is int and not isinstance(value, int)) or value < meta["low"]):
+          kind = "a number" if number is float else "an integer"
+          raise ValueError(f"EngineConfig.{f.name} must be {kind} >= {meta['low']}"
+                           f"{' or None' if f.default is None else ''}, got {value!r}.")
+      if meta.get("positive") and (isinstance(value, bool)
+                                   or not isinstance(value, (int, float)) or value <= 0):
+        raise ValueError(f"EngineConfig.{f.name} must be a positive number, got {value!r}.")
+
+  @property
+  def dtype_name(self) -> str:
+    """The compute dtype's name ("float32" or "bfloat16")."""
+    return jnp.dtype(self.compute_dtype).name

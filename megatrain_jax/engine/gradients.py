@@ -1,0 +1,275 @@
+"""Device -> host -> optimizer: the gradient pipeline, its two threads and the update clock.
+
+Each unit's gradient goes to the transfer thread as soon as it exists (device ->
+host), then to the optimizer thread, which updates the unit (per-unit modes) or
+adds it to the unit's accumulator (micro-batches, or updates deferred to the end of
+the sweep). Threads exchange typed records (`GradJob`, `UpdateAllJob`). Each queue
+holds at most `MAX_PENDING_GRADIENTS` jobs, which bounds the gradients on the
+device whatever the depth.
+
+A thread records the first exception it meets and stops handling jobs; the
+caller's next wait on it raises that exception. Only callers time out.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS
+from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.nonfinite import StepGuard
+from megatrain_jax.engine.prefetch import POLL_S, Ledger, WorkerError
+from megatrain_jax.engine.store import UnitStore
+from megatrain_jax.engine.transport import Transport
+
+
+class GradJob(NamedTuple):
+  """One unit's gradient of one micro-batch.
+
+  Attributes:
+    unit: the unit index.
+    grad: its flat gradient (on the device, then on the host).
+    finite: a device bool from the template: the gradient is all finite.
+    last: the step's last micro-batch (update now, in per-unit modes).
+    guard: the step's `StepGuard`.
+  """
+  unit: int
+  grad: jax.Array
+  finite: jax.Array
+  last: bool
+  guard: StepGuard
+
+
+class UpdateAllJob(NamedTuple):
+  """After a deferred sweep whose gradients are all finite: update every unit."""
+  step: int
+
+
+class UpdateClock:
+  """For each unit, the last step whose update of it is done (applied or refused).
+
+  A fetch for step s waits until its unit's entry reaches s - 1.
+  """
+
+  def __init__(self, n_units: int):
+    self._done = [0] * n_units
+    self._cond = threading.Condition()
+
+  def ready(self, u: int, step: int) -> bool:
+    """Whether unit u's copy is the one step `step` computes with."""
+    return self._done[u] >= step - 1
+
+  def mark(self, units, step: int) -> None:
+    """Units whose update for `step` is done."""
+    with self._cond:
+      for u in units:
+        self._done[u] = max(self._done[u], step)
+      self._cond.notify_all()
+
+  def reset(self, step: int) -> None:
+    """Every unit is as of `step` (after a restore)."""
+    with self._cond:
+      self._done = [step] * len(self._done)
+      self._cond.notify_all()
+
+  def wait(self, u: int, step: int, check: Callable[[], None],
+           deadline: float | None = None, what: str = "") -> None:
+    """Blocks until `ready(u, step)`; `check()` raises when the engine stopped.
+
+    Raises:
+      TimeoutError: past `deadline` (a caller's wait; the threads give none).
+    """
+    with self._cond:
+      while not self.ready(u, step):
+        check()
+        if deadline is not None and time.monotonic() > deadline:
+          raise TimeoutError(f"The update of {what or f'unit {u}'} took too long.")
+        self._cond.wait(POLL_S)
+
+
+class Worker:
+  """Runs `handle(job)` for each submitted job on one thread, in order.
+
+  At most `max_pending` jobs wait at once: `submit` blocks beyond that.
+  """
+
+  def __init__(self, handle: Callable[[Any], None], name: str,
+               max_pending: int = MAX_PENDING_GRADIENTS):
+    self._handle, self.max_pending = handle, max_pending
+    self._jobs: queue.Queue = queue.Queue()
+    self._cond = threading.Condition()
+    self._pending = 0
+    self.error: BaseException | None = None
+    self._thread = threading.Thread(target=self._run, name=f"megatrain-{name}", daemon=True)
+    self._thread.start()
+
+  def _run(self):
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      try:
+        if self.error is None:
+          self._handle(job)
+      except BaseException as e:  # pylint: disable=broad-except
+        self.error = e
+      finally:
+        with self._cond:
+          self._pending -= 1
+          self._cond.notify_all()
+
+  def check(self) -> None:
+    """Raises the first error the thread met, if any."""
+    if self.error is not None:
+      raise self.error
+
+  def submit(self, job, timeout_s: float | None) -> None:
+    """Queues `job`, waiting while `max_pending` are queued (a caller gives a
+    timeout; a thread handing work to the next one gives None)."""
+    self._wait_below(self.max_pending, timeout_s)
+    with self._cond:
+      self._pending += 1
+    self._jobs.put(job)
+
+  def wait(self, timeout_s: float | None) -> None:
+    """Blocks until every submitted job is done; raises the first error."""
+    self._wait_below(1, timeout_s)
+
+  def _wait_below(self, n: int, timeout_s: float | None) -> None:
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    with self._cond:
+      while self._pending >= n and self.error is None:
+        if deadline is not None and time.monotonic() > deadline:
+          raise TimeoutError(f"{self._thread.name} busy for over {timeout_s:.0f} s.")
+        if not self._thread.is_alive():
+          raise WorkerError(f"The {self._thread.name} thread stopped.")
+        self._cond.wait(POLL_S)
+    self.check()
+
+  def close(self) -> None:
+    """Lets the queued jobs finish, then stops the thread."""
+    self._jobs.put(None)
+    self._thread.join()
+
+
+class GradientPipeline:
+  """The gradient and optimizer threads, and what they do with each job."""
+
+  def __init__(self, host_opt: HostOptimizer, store: UnitStore, clock: UpdateClock,
+               transport: Transport, ledger: Ledger, defer: bool, timeout_s: float,
+               grad_hook: Callable[[int, jax.Array], jax.Array] | None = None):
+    """Starts the two threads.
+
+    Args:
+      host_opt: the masters, state and accumulators.
+      store: refreshed after each update.
+      clock: marked as each unit's update is done.
+      transport: brings gradients to the host.
+      ledger: a gradient's device bytes are counted until it is on the host.
+      defer: every update waits for the sweep (no per-unit update during it).
+      timeout_s: a caller's longest wait on these threads.
+      grad_hook: `hook(unit, device_gradient) -> gradient`, run on the caller's
+        thread before the gradient leaves (its finite flag is then recomputed).
+    """
+    self.host_opt, self.store, self.clock = host_opt, store, clock
+    self.transport, self.ledger = transport, ledger
+    self.defer, self.timeout_s, self.grad_hook = defer, timeout_s, grad_hook
+    self._finite_flags: list[list[jax.Array]] = [[] for _ in host_opt.specs]
+    self.d2h_bytes = 0
+    self.d2h_s = 0.0
+    self.opt_s = 0.0
+    self.to_host = Worker(self._to_host, "grads")
+    self.optimizer = Worker(self._update, "optimizer")
+
+  # -- caller side -----------------------------------------------------------
+
+  def send(self, u: int, grad: jax.Array, finite: jax.Array, last: bool,
+           guard: StepGuard) -> None:
+    """Queues unit u's gradient (already in the ledger) for the link and the update."""
+    if self.grad_hook is not None:
+      grad = self.grad_hook(u, grad)
+      finite = jax.numpy.all(jax.numpy.isfinite(grad))
+    self.d2h_bytes += grad.nbytes
+    self.to_host.submit(GradJob(u, grad, finite, last, guard), self.timeout_s)
+
+  def update_all(self, step: int) -> None:
+    """Queues the update of every unit after a deferred sweep."""
+    self.optimizer.submit(UpdateAllJob(step), self.timeout_s)
+
+  def check(self) -> None:
+    """Raises what stopped either thread."""
+    self.to_host.check()
+    self.optimizer.check()
+
+  def wait(self) -> None:
+    """Waits for every queued gradient and update; raises what they met."""
+    self.to_host.wait(self.timeout_s)
+    self.optimizer.wait(self.timeout_s)
+
+  def drop_gradients(self) -> None:
+    """Forgets every accumulated gradient and finite flag (a skipped step)."""
+    self.host_opt.drop_gradients()
+    self._finite_flags = [[] for _ in self.host_opt.specs]
+
+  def close(self) -> BaseException | None:
+    """Lets queued jobs finish, stops both threads; returns the first error."""
+    self.to_host.close()
+    self.optimizer.close()
+    return self.to_host.error or self.optimizer.error
+
+  # -- the threads -----------------------------------------------------------
+
+  def _to_host(self, job: GradJob) -> None:
+    t0 = time.perf_counter()
+    grad = self.transport.d2h(job.grad)
+    self.d2h_s += time.perf_counter() - t0
+    self.ledger.remove(("grad", job.unit))
+    self.optimizer.submit(job._replace(grad=grad), timeout_s=None)
+
+  def _update(self, job) -> None:
+    t0 = time.perf_counter()
+    try:
+      if isinstance(job, UpdateAllJob):
+        self._update_all(job.step)
+      elif job.last and not self.defer:
+        self._update_now(job)
+      else:
+        self.host_opt.accumulate(job.unit, job.grad)
+        if not self.defer:  # deferred updates check the accumulated sums instead
+          self._finite_flags[job.unit].append(job.finite)
+        self.host_opt.accum[job.unit].block_until_ready()
+    finally:
+      self.opt_s += time.perf_counter() - t0
+
+  def _update_now(self, job: GradJob) -> None:
+    """A per-unit update during the backward (see `StepGuard.admit`)."""
+    u, guard = job.unit, job.guard
+    flags, self._finite_flags[u] = [*self._finite_flags[u], job.finite], []
+    try:
+      if not guard.admit(u, flags):
+        self.host_opt.drop_gradient(u)
+        return
+      new = self.host_opt.update_unit(u, job.grad, stream=self.store.keep_copy)
+      guard.updated.append(u)
+      # Done before the unit's next fetch is allowed (it reads the result).
+      jax.block_until_ready(new if new is not None else self.host_opt.parts[u])
+      self.store.updated(u, new)
+    finally:
+      guard.first_done.set()
+      self.clock.mark([u], guard.step)
+
+  def _update_all(self, step: int) -> None:
+    def done(u, new):
+      self.store.updated(u, new)
+      self.clock.mark([u], step)
+
+    try:
+      self.host_opt.update_all(stream=self.store.keep_copy, on_unit=done)
+    finally:
+      self.clock.mark(range(len(self.host_opt.specs)), step)
+

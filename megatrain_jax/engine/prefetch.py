@@ -1,0 +1,358 @@
+"""Host -> device: the prefetch thread, its buffer slots, and the device-memory ledger.
+
+Timeouts: only a caller waiting on the engine (`get`, `cancel`, a fetch on the
+caller's thread with `depth == 0`) times out. The prefetch thread itself waits for
+a free slot or an updated unit as long as it takes: an idle trainer (a notebook
+left alone, an evaluation loop, a slow checkpoint) never dies of waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from typing import Any, Callable, NamedTuple
+
+import jax
+
+POLL_S = 0.05
+READY_POLL_S = 0.002  # the thread's wait for an update (or a free slot) to go on
+
+
+class Ledger:
+  """Bytes the engine holds in accelerator memory, and their peak."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._live: dict[Any, int] = {}
+    self.current = 0
+    self.peak = 0
+
+  def add(self, key, nbytes: int) -> None:
+    """Counts `nbytes` under `key` (replacing what the key held)."""
+    with self._lock:
+      self.current += nbytes - self._live.get(key, 0)
+      self._live[key] = nbytes
+      self.peak = max(self.peak, self.current)
+
+  def remove(self, key) -> None:
+    """Stops counting `key` (nothing if it is not counted)."""
+    with self._lock:
+      self.current -= self._live.pop(key, 0)
+
+  def reset_peak(self) -> None:
+    """Starts a new peak from the current bytes."""
+    with self._lock:
+      self.peak = self.current
+
+
+class WorkerError(RuntimeError):
+  """An engine thread stopped or was stopped while a caller waited on it."""
+
+
+class _Cancelled(Exception):
+  """The schedule being fetched was cancelled."""
+
+
+class Job(NamedTuple):
+  """One schedule to fetch: its id, unit order, tag (the step) and slot limits."""
+  id: int
+  order: tuple[int, ...]
+  tag: int
+  limit: Callable[[int], int]
+
+
+class Prefetcher:
+  """Fetches units in a schedule's order, with a bounded number of buffers alive.
+
+  A buffer is freed by `release(key, token)`: once `token` (an array computed from
+  the buffer) is ready, its slot can take the next unit. With one slot each
+  transfer waits for the previous compute (no overlap); each extra slot lets one
+  more transfer run ahead. A job's `limit(position)` is the slots a fetch at that
+  position may fill: a step's first fetches may get extra buffers (see
+  `memory.step_plan`), but only once the compute of every earlier job is done
+  (`job_done`), when its activations are gone. `depth == 0` fetches on the
+  caller's thread; otherwise one background thread fetches.
+
+  `ready(u, tag)` says whether unit u can be fetched for step `tag` now (its
+  update from the step before is done). When the next unit is not ready, the
+  thread fetches the first ready one further on into a spare slot, keeping `hold`
+  slots (the most buffers the compute holds at once) for the units in order, so
+  the link keeps working while the last updates of the step before finish.
+  """
+
+  def __init__(self, fetch: Callable[[int, int], jax.Array], depth: int, hold: int,
+               ledger: Ledger, timeout_s: float,
+               ready: Callable[[int, int], bool] | None = None):
+    self._fetch, self.depth, self._hold = fetch, depth, hold
+    self._ledger, self._timeout = ledger, timeout_s
+    self._ready_unit = ready or (lambda u, tag: True)
+    self._cond = threading.Condition()
+    self._in_use = 0
+    self._released: collections.deque = collections.deque()
+    self._arrived: dict[tuple[int, int], jax.Array] = {}  # (job, position) -> buffer
+    self._ahead: set[tuple[int, int]] = set()  # of those, fetched out of order
+    self._jobs: queue.Queue = queue.Queue()
+    self._error: BaseException | None = None
+    self._abort = False
+    self._cancel = False
+    self._open_jobs = 0  # jobs started and not finished by the thread
+    self._started: collections.deque = collections.deque()  # jobs not yet taken whole
+    self._current: Job | None = None
+    self._job_ids = 0
+    self._done_through = 0  # the compute of jobs up to this id is done
+    self._pos = 0
+    self.busy_s = 0.0
+    self.bytes_for: collections.Counter = collections.Counter()  # by tag (step)
+    self.out_of_order = 0
+    self.start_buffer_fetches = 0  # fetches into a start buffer (beyond hold + depth)
+    self._thread = None
+    if depth > 0:
+      self._thread = threading.Thread(target=self._run, name="megatrain-prefetch",
+                                      daemon=True)
+      self._thread.start()
+
+  # -- slots -----------------------------------------------------------------
+
+  def _reclaim_one(self) -> bool:
+    """Frees the oldest released buffer once its compute is done (waits for it)."""
+    with self._cond:
+      token = self._released.popleft() if self._released else None
+    if token is None:
+      return False
+    key, arr = token
+    if arr is not None:
+      arr.block_until_ready()
+    self._ledger.remove(key)
+    with self._cond:
+      self._in_use -= 1
+    return True
+
+  def _limit(self, job: Job, position: int) -> int:
+    """The slots a fetch at `position` of `job` may fill now."""
+    base = self._hold + self.depth
+    return job.limit(position) if self._done_through >= job.id - 1 else base
+
+  def _acquire_slot(self, job: Job, position: int, deadline: float | None) -> None:
+    """Takes a slot under the position's limit; a caller gives a deadline, the thread
+    none."""
+    while True:
+      with self._cond:
+        if self._in_use < self._limit(job, position):
+          self._in_use += 1
+          self.start_buffer_fetches += self._in_use > self._hold + self.depth
+          return
+        if self._abort:
+          raise WorkerError("prefetch aborted")
+        if self._cancel:
+          raise _Cancelled()
+        has_released = bool(self._released)
+        if not has_released:
+          if deadline is not None and time.monotonic() > deadline:
+            raise TimeoutError(f"No device buffer freed in {self._timeout:.0f} s.")
+          self._cond.wait(POLL_S)
+          continue
+      self._reclaim_one()
+
+  def _try_spare_slot(self, limit: int) -> bool:
+    """A free slot for a unit out of order, without waiting (released buffers whose
+    compute is done are reclaimed first). Buffers fetched out of order and not yet
+    taken stay under limit - hold, so the units in order always have `hold` slots."""
+    with self._cond:
+      if len(self._ahead) + self._hold >= limit:
+        return False
+      while self._released and self._in_use >= limit:
+        key, arr = self._released[0]
+        if arr is not None and not arr.is_ready():
+          break
+        self._released.popleft()
+        self._ledger.remove(key)
+        self._in_use -= 1
+      if self._in_use < limit:
+        self._in_use += 1
+        self.start_buffer_fetches += self._in_use > self._hold + self.depth
+        return True
+      return False
+
+  def _fetch_into_slot(self, u: int, key, tag: int):
+    t0 = time.perf_counter()
+    arr = self._fetch(u, tag)
+    self.busy_s += time.perf_counter() - t0
+    self.bytes_for[tag] += arr.nbytes
+    self._ledger.add(key, arr.nbytes)
+    return arr
+
+  # -- background thread -----------------------------------------------------
+
+  def _run(self):
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      try:
+        self._run_job(job)
+      except _Cancelled:
+        pass
+      except BaseException as e:  # pylint: disable=broad-except
+        with self._cond:
+          self._error = e
+          self._open_jobs -= 1
+          self._cond.notify_all()
+        return
+      with self._cond:
+        self._open_jobs -= 1
+        self._cond.notify_all()
+
+  def _run_job(self, job: Job) -> None:
+    pending = list(range(len(job.order)))
+    ready = lambda p: self._ready_unit(job.order[p], job.tag)
+    while pending:
+      with self._cond:
+        if self._abort:
+          return
+        if self._cancel:
+          raise _Cancelled()
+      n = pending[0]
+      if ready(n):
+        self._acquire_slot(job, n, deadline=None)
+        arr = self._fetch_into_slot(job.order[n], ("param", job.id, n), job.tag)
+        self._deliver(job.id, n, arr)
+        pending.pop(0)
+        continue
+      ahead = next((p for p in pending[1:] if ready(p)), None)
+      if ahead is not None and self._try_spare_slot(self._limit(job, ahead)):
+        self.out_of_order += 1
+        arr = self._fetch_into_slot(job.order[ahead], ("param", job.id, ahead), job.tag)
+        with self._cond:
+          self._ahead.add((job.id, ahead))
+        self._deliver(job.id, ahead, arr)
+        pending.remove(ahead)
+        continue
+      time.sleep(READY_POLL_S)
+
+  def _deliver(self, job: int, n: int, arr) -> None:
+    with self._cond:
+      self._arrived[(job, n)] = arr
+      self._cond.notify_all()
+
+  # -- caller side -----------------------------------------------------------
+
+  def check(self) -> None:
+    """Raises what stopped the prefetch thread, if anything did."""
+    if self._error is not None:
+      raise self._error
+
+  def start(self, order, tag: int = 0, limit: Callable[[int], int] | None = None) -> None:
+    """Queues a schedule for step `tag`; `get` takes its units in order, after those
+    of the schedules started before it.
+
+    Args:
+      order: unit indices, in the order the compute takes them.
+      tag: the step the fetches are for (passed to `fetch` and `ready`).
+      limit: slots a fetch at each position may fill (default: hold + depth).
+    """
+    self.check()
+    self._job_ids += 1
+    job = Job(self._job_ids, tuple(order), tag,
+              limit or (lambda p: self._hold + self.depth))
+    self._started.append(job)
+    if self._thread is not None:
+      with self._cond:
+        self._open_jobs += 1
+      self._jobs.put(job)
+
+  def cancel(self) -> None:
+    """Drops every started schedule and frees every buffer fetched for it."""
+    with self._cond:
+      self._cancel = True
+      self._cond.notify_all()
+      deadline = time.monotonic() + self._timeout
+      while self._open_jobs and self._error is None and self._thread is not None \
+          and self._thread.is_alive():
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"Prefetch did not stop in {self._timeout:.0f} s.")
+        self._cond.wait(POLL_S)
+      for (j, n) in self._arrived:
+        self._ledger.remove(("param", j, n))
+        self._in_use -= 1
+      self._arrived.clear()
+      self._ahead.clear()
+      self._cancel = False
+    self._started.clear()
+    self._current, self._pos = None, 0
+    self.drain()
+
+  def get(self, u: int):
+    """The next unit of the started schedules, which must be `u`.
+
+    Returns:
+      (device array, key to `release` it with).
+
+    Raises:
+      RuntimeError: `u` is not the next unit of the schedule.
+      TimeoutError: the unit did not arrive within `timeout_s`.
+    """
+    if self._current is None or self._pos >= len(self._current.order):
+      self._current = self._started.popleft() if self._started else None
+      self._pos = 0
+    job = self._current or Job(0, (), 0, lambda p: 0)
+    n = self._pos
+    expected = job.order[n] if n < len(job.order) else None
+    if expected != u:
+      raise RuntimeError(f"Prefetch schedule out of order: wanted unit {u}, "
+                         f"schedule has {expected} at position {n}.")
+    self._pos += 1
+    key = ("param", job.id, n)
+    deadline = time.monotonic() + self._timeout
+    if self._thread is None:
+      self._acquire_slot(job, n, deadline)
+      return self._fetch_into_slot(u, key, job.tag), key
+    with self._cond:
+      while (job.id, n) not in self._arrived:
+        self.check()
+        if not self._thread.is_alive():
+          raise WorkerError("The prefetch thread stopped.")
+        if time.monotonic() > deadline:
+          raise TimeoutError(f"Prefetch of unit {u} took over {self._timeout:.0f} s.")
+        self._cond.wait(POLL_S)
+      self._ahead.discard((job.id, n))
+      return self._arrived.pop((job.id, n)), key
+
+  def job_done(self) -> None:
+    """The compute of the job whose units were taken last is done (its activations
+    are gone): later jobs may use their start buffers."""
+    with self._cond:
+      if self._current is not None:
+        self._done_through = max(self._done_through, self._current.id)
+      self._cond.notify_all()
+
+  def release(self, key, token) -> None:
+    """Frees the buffer fetched under `key` once `token` is ready."""
+    with self._cond:
+      self._released.append((key, token))
+      self._cond.notify_all()
+
+  def drain(self) -> None:
+    """Waits for every released buffer and frees it; called between steps."""
+    while self._reclaim_one():
+      pass
+
+  def close(self) -> None:
+    """Stops the thread and frees every buffer it fetched (none stays on the device)."""
+    if self._thread is not None and self._thread.is_alive():
+      try:
+        self.cancel()
+      except (TimeoutError, WorkerError):
+        pass
+    with self._cond:
+      self._abort = True
+      self._cond.notify_all()
+    if self._thread is not None:
+      self._jobs.put(None)
+      self._thread.join(timeout=self._timeout)
+    with self._cond:
+      for (j, n) in self._arrived:
+        self._ledger.remove(("param", j, n))
+      self._arrived.clear()
+    self.drain()

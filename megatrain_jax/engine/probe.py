@@ -1,0 +1,240 @@
+"""Can a transform run unit by unit? The probe that decides the host optimizer's mode.
+
+An element-wise transform (adam, adamw, lion, sgd, their schedules) gives the same
+update whether applied to the whole tree or to each unit alone, so the engine may
+update a unit as soon as its gradient is on the host. Anything that mixes leaves
+(`clip_by_global_norm`, labels that depend on the layer index) must see the whole
+tree. `probe` tells them apart by running the transform both ways on a miniature
+copy of the model's units and comparing the *updates* (not the parameters) leaf by
+leaf, relative to their own size: a learning rate near zero makes every transform
+look element-wise on the parameters, not on the updates. A step whose updates are
+all zero (a schedule at zero, MultiSteps between applications) proves nothing; the
+probe runs on until two steps had something to compare, and without them the
+transform is taken to need the whole tree.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from megatrain_jax.engine.config import OPTIMIZER_MODES
+from megatrain_jax.models import llama
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.optim import AdamW, ClipThen
+
+# Below this an update is taken as zero (fp32 loses relative precision near 1e-38).
+TINY = 1e-30
+# Updates compared leaf by leaf within this fraction of the larger one's size.
+RTOL = 1e-5
+MAX_STEPS = 16
+NEEDED_STEPS = 2
+FAST_PATH = ("For global-norm clipping use mt.optim.clip_by_global_norm(max_norm, inner), "
+             "which the engine splits per unit, and for AdamW mt.optim.adamw.")
+
+
+class Verdict(NamedTuple):
+  """The probe's answer: `separable`, and why (or why not)."""
+  separable: bool
+  reason: str
+
+
+class Resolution(NamedTuple):
+  """How the host runs a transform.
+
+  Attributes:
+    mode: "per_unit", "clipped" (global-norm clipping split per unit, then an
+      element-wise transform) or "whole_tree".
+    optimizer: the transform the host runs (the inner one in clipped mode).
+    max_norm: the clip in clipped mode, else None.
+    fused: whether the update is the fused AdamW on flat parts.
+    reason: why this mode.
+  """
+  mode: str
+  optimizer: Any
+  max_norm: float | None
+  fused: bool
+  reason: str = ""
+
+
+@functools.lru_cache(maxsize=64)
+def _abstract_units(cfg: LlamaConfig) -> tuple[Any, ...]:
+  key = jax.random.key(0)
+  embed = jax.eval_shape(lambda: llama.init_embed(cfg, key))
+  block = jax.eval_shape(lambda: llama.init_block(cfg, key))
+  head = jax.eval_shape(lambda: llama.init_head(cfg, key))
+  return (embed,) + (block,) * cfg.n_layers + (head,)
+
+
+def whole_model_units(cfg: LlamaConfig) -> tuple[Any, ...]:
+  """Abstract parameter trees (ShapeDtypeStructs) of every unit of `cfg`, in order."""
+  return _abstract_units(cfg)
+
+
+def miniature_units(cfg: LlamaConfig) -> tuple[Any, ...]:
+  """Every unit's tree with each dimension capped at 3 (abstract; for `probe`)."""
+  return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      tuple(min(d, 3) for d in x.shape), jnp.float32), t) for t in _abstract_units(cfg))
+
+
+def _fill(tree, rng: np.random.Generator, scale: float):
+  return jax.tree.map(lambda x: jnp.asarray(
+      scale * rng.standard_normal(tuple(min(d, 3) for d in x.shape)), jnp.float32), tree)
+
+
+def _compare(whole, units: list, step: int, assemble: Callable) -> tuple[bool, str | None]:
+  """(any update above TINY, a difference found) between the two ways, leaf by leaf."""
+  seen = False
+  a_leaves = jax.tree_util.tree_leaves_with_path(whole)
+  b_leaves = jax.tree.leaves(assemble(units))
+  for (path, a), b in zip(a_leaves, b_leaves, strict=True):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    size = max(np.abs(a).max(initial=0.0), np.abs(b).max(initial=0.0))
+    if size <= TINY:
+      continue
+    seen = True
+    if np.abs(a - b).max() > RTOL * size:
+      return seen, (f"its updates differ at step {step} in "
+                    f"{jax.tree_util.keystr(path)} (largest difference "
+                    f"{np.abs(a - b).max():.3g} against updates of size {size:.3g}): it "
+                    "mixes leaves, e.g. a global norm or labels that depend on the layer")
+  return seen, None
+
+
+def probe(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
+          max_steps: int = MAX_STEPS, needed: int = NEEDED_STEPS,
+          assemble: Callable = llama.assemble_units) -> Verdict:
+  """Whether `optimizer` applied unit by unit equals it applied to the whole tree.
+
+  Runs both ways on miniature trees with random gradients whose scale differs
+  from unit to unit and from step to step (so that any norm-based clipping
+  engages, by different factors per unit than over the whole tree).
+
+  Args:
+    optimizer: the transform.
+    unit_trees: every unit's parameter tree (or abstract tree), in unit order.
+    max_steps: steps to run at most.
+    needed: steps with a non-zero update that must agree.
+    assemble: unit trees -> the whole tree (the model's layout by default).
+
+  Returns:
+    The `Verdict`: separable only when `needed` steps had updates to compare and
+    all agreed; otherwise the reason (a difference, an error unit by unit, or no
+    update to compare).
+  """
+  rng = np.random.default_rng(0)
+  params = [_fill(t, rng, 1.0) for t in unit_trees]
+  try:
+    whole = assemble(params)
+    state = optimizer.init(whole)
+  except Exception as e:  # pylint: disable=broad-except
+    return Verdict(False, f"its init fails on the model's tree ({type(e).__name__}: {e})")
+  parts, conclusive = list(params), 0
+  try:
+    states = [optimizer.init(p) for p in parts]
+  except Exception as e:  # pylint: disable=broad-except
+    return Verdict(False, f"it fails on a single unit's tree ({type(e).__name__}: {e})")
+  for step in range(1, max_steps + 1):
+    grads = [_fill(t, rng, float(10 ** rng.uniform(-1, 3))) for t in unit_trees]
+    try:
+      upd_whole, state = optimizer.update(assemble(grads), state, whole)
+    except Exception as e:  # pylint: disable=broad-except
+      return Verdict(False, f"its update fails on the model's tree ({type(e).__name__}: {e})")
+    try:
+      upd_units = []
+      for i, (p, s) in enumerate(zip(parts, states)):
+        u, states[i] = optimizer.update(grads[i], s, p)
+        upd_units.append(u)
+    except Exception as e:  # pylint: disable=broad-except
+      return Verdict(False, f"it fails on a single unit's tree ({type(e).__name__}: {e})")
+    seen, difference = _compare(upd_whole, upd_units, step, assemble)
+    if difference:
+      return Verdict(False, difference)
+    conclusive += seen
+    if conclusive >= needed:
+      return Verdict(True, f"unit-by-unit updates equal whole-tree ones over {step} "
+                           "probe steps")
+    whole = optax.apply_updates(whole, upd_whole)
+    parts = [optax.apply_updates(p, u) for p, u in zip(parts, upd_units)]
+  return Verdict(False, f"it made no update to compare in {max_steps} probe steps "
+                        f"({conclusive} with one), e.g. a schedule at zero or "
+                        "MultiSteps between applications")
+
+
+def resolve_mode(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
+                 mode: str, assemble: Callable = llama.assemble_units) -> Resolution:
+  """How the host runs `optimizer` under `EngineConfig.optimizer_mode=mode`.
+
+  `mt.optim.adamw` is per-unit and fused; `mt.optim.clip_by_global_norm` over an
+  element-wise transform is "clipped"; any other transform is probed.
+
+  Args:
+    optimizer: the transform.
+    unit_trees: every unit's (abstract) parameter tree, in unit order.
+    mode: "auto", "per_unit" or "whole_tree".
+    assemble: unit trees -> the whole tree (the model's layout by default).
+
+  Returns:
+    The `Resolution`.
+
+  Raises:
+    ValueError: an unknown mode, or "per_unit" for a transform the probe does not
+      prove element-wise.
+  """
+  if mode not in OPTIMIZER_MODES:
+    raise ValueError(f"optimizer_mode={mode!r} is not one of {OPTIMIZER_MODES}.")
+  if mode == "whole_tree":
+    return Resolution("whole_tree", optimizer, None, False, "set by hand")
+  minis = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      tuple(min(d, 3) for d in x.shape), jnp.float32), t) for t in unit_trees]
+  if isinstance(optimizer, AdamW):
+    return Resolution("per_unit", optimizer, None, True, "mt.optim.adamw is element-wise")
+  if isinstance(optimizer, ClipThen):
+    inner = optimizer.inner
+    verdict = (Verdict(True, "mt.optim.adamw") if isinstance(inner, AdamW)
+               else probe(inner, minis, assemble=assemble))
+    if verdict.separable:
+      return Resolution("clipped", inner, optimizer.max_norm, isinstance(inner, AdamW),
+                        "global-norm clip split per unit over an element-wise transform")
+  else:
+    verdict = probe(optimizer, minis, assemble=assemble)
+    if verdict.separable:
+      return Resolution("per_unit", optimizer, None, False, verdict.reason)
+  if mode == "per_unit":
+    raise ValueError(
+        f"optimizer_mode='per_unit' was set, but this transform cannot run unit by unit: "
+        f"{verdict.reason}. Use optimizer_mode='auto' or 'whole_tree' (one update over "
+        f"the whole tree after the backward). {FAST_PATH}")
+  return Resolution("whole_tree", optimizer, None, False, verdict.reason)
+
+
+def resolve_for_config(optimizer: optax.GradientTransformation, cfg: LlamaConfig,
+                       mode: str) -> Resolution:
+  """`resolve_mode` over every unit of `cfg`, remembered per (transform, model, mode)
+  so that a preflight and the trainer probe a transform once.
+
+  Args:
+    optimizer: the transform.
+    cfg: the model.
+    mode: "auto", "per_unit" or "whole_tree".
+
+  Returns:
+    The `Resolution`.
+
+  Raises:
+    ValueError: as `resolve_mode`.
+  """
+  try:
+    return _resolve_cached(optimizer, cfg, mode)
+  except TypeError:  # a transform that cannot be a cache key
+    return resolve_mode(optimizer, whole_model_units(cfg), mode)
+
+
+@functools.lru_cache(maxsize=32)
+def _resolve_cached(optimizer, cfg, mode) -> Resolution:
+  return resolve_mode(optimizer, whole_model_units(cfg), mode)

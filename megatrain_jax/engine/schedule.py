@@ -1,0 +1,122 @@
+"""The order of a step, as data: units, checkpoint groups, fetches, gradients, slots.
+
+Units are numbered 0 = embedding, 1..L = the blocks, L + 1 = head. Everything that
+needs an order (the trainer's loop, the prefetcher, the memory model, the planner, a
+checkpoint's part order) reads it from a `Schedule`, so the order lives here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.models.config import LlamaConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  """One micro-batch's order of work for a model and an engine config.
+
+  Attributes:
+    n_layers: decoder blocks (L).
+    groups: layer ranges [start, end) whose input is an activation checkpoint, in
+      forward order; the backward runs them in reverse.
+    fetch_order: units in the order one micro-batch fetches them: the forward, the
+      head (then the tied embedding), then each group's layers, last group first.
+      Resident units (`stream_embed_head=False`) are not fetched.
+    grad_order: units in the order their gradients leave the device: the head, the
+      layers from the top down to layer 1, the embedding, then layer 0 (the next
+      forward needs the embedding first). Per-unit updates run in this order.
+    held: parameter buffers the compute holds at once (a group's layers in its
+      backward, or the head with the tied embedding).
+    slots: parameter buffers alive at once: `held` plus `prefetch_depth`.
+    start_buffers: extra buffers allowed for the first `start_positions` fetches of
+      a micro-batch (see `memory.step_plan`, which sizes them to fit the peak).
+    start_positions: how many of the first fetches may use them.
+  """
+
+  n_layers: int
+  groups: tuple[tuple[int, int], ...]
+  fetch_order: tuple[int, ...]
+  grad_order: tuple[int, ...]
+  held: int
+  slots: int
+  tied: bool
+  streamed_ends: bool
+  start_buffers: int = 0
+  start_positions: int = 0
+
+  @classmethod
+  def build(cls, cfg: LlamaConfig, ec: EngineConfig) -> "Schedule":
+    """The schedule of `cfg` under `ec`, without start buffers.
+
+    Args:
+      cfg: the model.
+      ec: the engine config (checkpoint_every, prefetch_depth, stream_embed_head).
+
+    Returns:
+      The `Schedule`.
+    """
+    L, c = cfg.n_layers, ec.checkpoint_every
+    head = L + 1
+    groups = tuple((s, min(s + c, L)) for s in range(0, L, c))
+    order = [0, *range(1, head), head] + ([0] if cfg.tie_embeddings else [])
+    for s, e in reversed(groups):
+      order += [1 + i for i in range(s, e)]
+    if not ec.stream_embed_head:
+      order = [u for u in order if u not in (0, head)]
+    grads = [head, *range(L, 1, -1), 0] + ([1] if L else [])
+    held = max(c, 2 if cfg.tie_embeddings and ec.stream_embed_head else 1)
+    return cls(n_layers=L, groups=groups, fetch_order=tuple(order),
+               grad_order=tuple(grads), held=held, slots=held + ec.prefetch_depth,
+               tied=cfg.tie_embeddings, streamed_ends=ec.stream_embed_head)
+
+  @property
+  def n_units(self) -> int:
+    """Units of the model: embedding, L blocks, head."""
+    return self.n_layers + 2
+
+  @property
+  def embed(self) -> int:
+    """The embedding's unit index."""
+    return 0
+
+  @property
+  def head(self) -> int:
+    """The head's unit index."""
+    return self.n_layers + 1
+
+  def resident_units(self) -> tuple[int, ...]:
+    """Units kept on the device between steps instead of fetched."""
+    return () if self.streamed_ends else (self.embed, self.head)
+
+  def limit(self, position: int) -> int:
+    """Parameter buffers a fetch at this position of a micro-batch's order may fill.
+
+    Args:
+      position: index into `fetch_order`.
+
+    Returns:
+      `slots`, plus `start_buffers` for the first `start_positions` positions.
+    """
+    return self.slots + (self.start_buffers if position < self.start_positions else 0)
+
+  def update_order(self, deferred: bool) -> tuple[int, ...]:
+    """Units in the order a step's updates change them.
+
+    Args:
+      deferred: whether the updates wait for the sweep (whole-tree, clipped, or
+        nonfinite="skip"), which then run in unit order.
+
+    Returns:
+      Unit indices.
+    """
+    return tuple(range(self.n_units)) if deferred else self.grad_order
+
+  def unit_name(self, u: int) -> str:
+    """"embed", "layer i" (0-based) or "head"."""
+    return {self.embed: "embed", self.head: "head"}.get(u, f"layer {u - 1}")
+
+  def state_key(self, u: int) -> str:
+    """The name of unit u's part of a checkpoint: "embed", "block_0003", "head"."""
+    return {self.embed: "embed", self.head: "head"}.get(u, f"block_{u - 1:04d}")

@@ -1,0 +1,153 @@
+"""The trainer state a checkpoint reads and writes, and the snapshot it reads it through.
+
+Both trainers implement `TrainerState`; `megatrain_jax.checkpoint` uses only that,
+so the engine knows no file format.
+
+A `Snapshot` is one step's state, handed to a writer part by part while training
+goes on. An update about to change a part the writer has not read yet copies it
+first (copy-on-write), or, when `max_copies` copies are already waiting, waits for
+the writer to read it. So a save adds at most `max_copies` parts of host memory,
+plus the one the writer holds while it writes; when the disk is slower than the
+updates, the updates wait for it. The writer reads the parts in the order the
+updates change them, and `close()` (the writer is done, or failed) releases every
+copy and every waiting update.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Protocol
+
+import numpy as np
+
+Arrays = dict[str, np.ndarray]
+
+
+class TrainerState(Protocol):
+  """What `megatrain_jax.checkpoint` needs of a trainer."""
+
+  @property
+  def step_count(self) -> int:
+    """Steps taken (restored from a checkpoint)."""
+
+  def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """For each part of the state, the (shape, dtype) of each of its arrays."""
+
+  def snapshot(self) -> "Snapshot":
+    """The state at this step boundary, readable part by part while training goes on."""
+
+  def restore(self, read: Callable[[str], Arrays], step_count: int) -> None:
+    """Loads every part of `state_layout()` from `read(key)`."""
+
+
+class CopyCounter:
+  """Host bytes held by snapshot copies now, and their peak (thread-safe)."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self.current = 0
+    self.peak = 0
+
+  def add(self, nbytes: int) -> None:
+    """Counts `nbytes` more (negative: fewer)."""
+    with self._lock:
+      self.current += nbytes
+      self.peak = max(self.peak, self.current)
+
+
+class Snapshot:
+  """One step's state, handed out part by part as host numpy arrays.
+
+  Attributes:
+    keys: the parts, in the order the writer should `take` them (the order the
+      updates change them).
+  """
+
+  def __init__(self, keys: list[str], read: Callable[[str], Arrays],
+               max_copies: int | None = 1, counter: CopyCounter | None = None):
+    """A snapshot of the parts `keys`, each read with `read(key)` while it is unchanged.
+
+    Args:
+      keys: the parts, in the order the updates change them.
+      read: copies one part of the live state to host numpy arrays.
+      max_copies: parts an update may copy ahead of the writer (None: no bound;
+        for a state that does not change, as `ResidentTrainer`'s copies).
+      counter: counts the bytes of the copies waiting for the writer.
+    """
+    self.keys = list(keys)
+    self._read, self._max = read, max_copies
+    self._counter = counter or CopyCounter()
+    self._cond = threading.Condition()
+    self._copies: dict[str, Arrays] = {}  # made before a change, not yet taken
+    self._busy: set[str] = set()  # being read (by the writer or an update)
+    self._taken: set[str] = set()
+    self._closed = False
+
+  @staticmethod
+  def _nbytes(arrays: Arrays) -> int:
+    return sum(x.nbytes for x in arrays.values())
+
+  def before_change(self, keys) -> None:
+    """Called before the parts `keys` change: copies each one the writer has not read,
+    or waits for the writer to read it when `max_copies` copies already wait."""
+    for k in keys:
+      with self._cond:
+        while True:
+          if (self._closed or k in self._taken or k in self._copies
+              or k not in self.keys):
+            break
+          if k not in self._busy and (self._max is None or len(self._copies) < self._max):
+            self._busy.add(k)
+            break
+          self._cond.wait()
+        if k not in self._busy:
+          continue
+      arrays = self._read(k)
+      with self._cond:
+        self._busy.discard(k)
+        if not self._closed:
+          self._copies[k] = arrays
+          self._counter.add(self._nbytes(arrays))
+        self._cond.notify_all()
+
+  def take(self, key: str) -> Arrays:
+    """The writer's read of one part: its copy if an update made one, else the live
+    part (which no update changes until this returns)."""
+    with self._cond:
+      while key in self._busy:
+        self._cond.wait()
+      if key in self._copies:
+        arrays = self._copies.pop(key)
+        self._counter.add(-self._nbytes(arrays))
+        self._taken.add(key)
+        self._cond.notify_all()
+        return arrays
+      if self._closed:
+        raise RuntimeError("This snapshot is closed.")
+      self._busy.add(key)
+    try:
+      return self._read(key)
+    finally:
+      with self._cond:
+        self._busy.discard(key)
+        self._taken.add(key)
+        self._cond.notify_all()
+
+  def close(self) -> None:
+    """The writer is done (or failed): drops the copies, releases waiting updates."""
+    with self._cond:
+      self._closed = True
+      for arrays in self._copies.values():
+        self._counter.add(-self._nbytes(arrays))
+      self._copies.clear()
+      self._cond.notify_all()
+
+  @property
+  def closed(self) -> bool:
+    """Whether `close` was called."""
+    return self._closed
+
+
+def static_snapshot(parts: dict[str, Arrays]) -> Snapshot:
+  """A snapshot of arrays already copied (nothing changes under it)."""
+  return Snapshot(list(parts), lambda k: parts[k], max_copies=None)

@@ -1,0 +1,123 @@
+"""One micro-batch through the streaming engine: forward, head, backward.
+
+  forward   embed, then every block through its template, keeping the block input
+            every `checkpoint_every` layers; the prefetcher moves the next units to
+            the device while the current one computes;
+  head      final norm + LM head + chunked CE, value and gradient in one call;
+  backward  blocks in reverse groups: recompute the group's inputs from its
+            checkpoint, then `jax.vjp` layer by layer (each backward template
+            recomputes its layer's forward); a group's parameters are fetched once
+            and held until its backward ends;
+  gradients each unit's gradient goes to the pipeline as soon as it exists, in the
+            schedule's `grad_order` (the embedding's before layer 0's).
+So each unit crosses host -> device at most twice per micro-batch and its gradient
+crosses device -> host once. Every device buffer the step holds is counted in the
+runtime's ledger under the kinds `memory.step_plan` models.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from megatrain_jax.engine.nonfinite import StepGuard
+from megatrain_jax.engine.runtime import Runtime
+from megatrain_jax.engine.schedule import Schedule
+from megatrain_jax.engine.templates import Templates
+
+
+def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str, Any],
+               scale: jax.Array, guard: StepGuard, last: bool, start_next: bool
+               ) -> tuple[jax.Array, int]:
+  """Forward, head and backward of one micro-batch; its gradients go to the pipeline.
+
+  Args:
+    rt: the runtime (prefetcher, pipeline, ledger, resident units).
+    tpl: the templates.
+    schedule: this batch shape's schedule (its fetch order and slot limits).
+    batch: the micro-batch, host arrays.
+    scale: 1 / the whole batch's mask sum (seeds the head's vjp).
+    guard: the step's guard (its loss parts are appended here).
+    last: the step's last micro-batch (per-unit updates run on its gradients).
+    start_next: queue the next step's fetches behind this micro-batch's, so the
+      link keeps working through the step's tail.
+
+  Returns:
+    (this micro-batch's loss sum as a device scalar, input bytes moved).
+  """
+  ledger, tp, pf = rt.ledger, rt.transport, rt.prefetcher
+  ids = tp.to_device(batch["input_ids"])
+  labels = tp.to_device(batch["labels"])
+  mask = tp.to_device(batch["loss_mask"])
+  if start_next:
+    pf.start(schedule.fetch_order, guard.step + 1, schedule.limit)
+
+  def get(u: int):
+    arr = rt.store.resident(u)
+    if arr is not None:
+      rt.await_update(u, guard.step)
+      return arr, None
+    return pf.get(u)
+
+  def release(key, token):
+    if key is not None:
+      pf.release(key, token)
+
+  def send(u, g, finite):
+    rt.pipeline.send(u, g, finite, last, guard)
+
+  p, key = get(schedule.embed)
+  x = tpl.embed_fwd(p, ids)
+  release(key, x)
+  act_bytes = x.nbytes
+  ckpts, starts = {}, {s for s, _ in schedule.groups}
+  for i in range(schedule.n_layers):
+    if i in starts:
+      ckpts[i] = x
+      ledger.add(("ckpt", i), act_bytes)
+    p, key = get(1 + i)
+    x = tpl.block_fwd(p, x)
+    ledger.add("x", act_bytes)
+    release(key, x)
+
+  p_h, key_h = get(schedule.head)
+  p_e, key_e = get(schedule.embed) if schedule.tied else (None, None)
+  loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, x, labels, mask, scale)
+  release(key_h, g)
+  release(key_e, g)
+  ledger.add("g", act_bytes)
+  guard.loss_parts.append(loss_sum)  # before any gradient: updates wait for it
+  if g_e is not None:
+    ledger.add("tied_embedding_grad", g_e.nbytes)
+  ledger.add(("grad", schedule.head), g_h.nbytes)
+  send(schedule.head, g_h, finite)
+
+  layer0 = None
+  for s, e in reversed(schedule.groups):
+    params = [get(1 + i) for i in range(s, e)]
+    xs = [ckpts.pop(s)]
+    for j in range(e - s - 1):
+      xs.append(tpl.block_fwd(params[j][0], xs[-1]))
+      ledger.add(("recompute", j), act_bytes)
+    for j in reversed(range(e - s)):
+      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g)
+      release(params[j][1], g)
+      ledger.add(("grad", 1 + s + j), g_p.nbytes)
+      if s + j:
+        send(1 + s + j, g_p, finite)
+      else:
+        layer0 = (g_p, finite)  # held until the embedding's gradient has left
+      ledger.remove(("recompute", j))
+    ledger.remove(("ckpt", s))
+  g_embed, finite = tpl.embed_bwd(ids, g, g_e)
+  ledger.remove("x")
+  ledger.remove("g")
+  ledger.remove("tied_embedding_grad")
+  # The embedding's gradient leaves before layer 0's: the next forward needs it first.
+  ledger.add(("grad", schedule.embed), g_embed.nbytes)
+  send(schedule.embed, g_embed, finite)
+  if layer0 is not None:
+    send(1, *layer0)
+  pf.job_done()  # no activation is left: the next job may use its start buffers
+  return loss_sum, sum(batch[k].nbytes for k in ("input_ids", "labels", "loss_mask"))

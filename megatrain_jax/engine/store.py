@@ -1,0 +1,92 @@
+"""Where a fetch's compute-dtype copy of a unit comes from, and the device-resident units.
+
+The fp32 masters and optimizer state live in the `HostOptimizer`. Beside them this
+store keeps, per `EngineConfig.stream_copy`, either a compute-dtype streaming copy
+of every unit in pinned host memory (one DMA per fetch) or nothing (each fetch
+casts the master). Units kept on the device (`stream_embed_head=False`) are
+refreshed here after each update.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+
+from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.prefetch import Ledger
+from megatrain_jax.engine.transport import Transport
+
+
+class UnitStore:
+  """Each unit's streaming copy (if kept) and device-resident copy (if resident)."""
+
+  def __init__(self, host_opt: HostOptimizer, transport: Transport, compute_dtype,
+               keep_copy: bool, ledger: Ledger):
+    """Makes the kept copies.
+
+    Args:
+      host_opt: the masters.
+      transport: moves bytes to the device.
+      compute_dtype: the copies' dtype.
+      keep_copy: keep a streaming copy of every unit in pinned host memory.
+      ledger: counts the resident units' device bytes.
+    """
+    self.host_opt, self.transport, self.cd = host_opt, transport, compute_dtype
+    self.keep_copy, self.ledger = keep_copy, ledger
+    self._lock = threading.Lock()
+    self._stream = ([transport.stage(host_opt.stream_copy(u))
+                     for u in range(len(host_opt.specs))] if keep_copy else None)
+    self._resident: dict[int, jax.Array] = {}
+    self.resident_h2d_bytes = 0  # fetches of resident units, taken by each step
+
+  def place_resident(self, units) -> None:
+    """Puts these units' copies on the device, to stay there between steps."""
+    for u in units:
+      self._refresh_resident(u)
+
+  def to_device(self, u: int) -> jax.Array:
+    """Unit u's compute-dtype copy in device memory: from its kept streaming copy,
+    or cast from its master."""
+    if self._stream is not None:
+      return self.transport.h2d(self._stream[u])
+    return self.transport.h2d_cast(self.host_opt.parts[u], self.cd)
+
+  def resident(self, u: int) -> jax.Array | None:
+    """Unit u's device-resident copy, or None when it is streamed."""
+    return self._resident.get(u)
+
+  def _refresh_resident(self, u: int) -> None:
+    arr = self.to_device(u)
+    with self._lock:
+      self._resident[u] = arr
+      self.resident_h2d_bytes += arr.nbytes
+    self.ledger.add(("resident", u), arr.nbytes)
+
+  def updated(self, u: int, new_copy: jax.Array | None) -> None:
+    """After unit u's master changed: keeps its new streaming copy (None when none
+    is kept) and refreshes its resident device copy, if any."""
+    if new_copy is not None:
+      self._stream[u] = self.transport.stage(new_copy)
+    if u in self._resident:
+      self._refresh_resident(u)
+
+  def master_changed(self, u: int) -> None:
+    """Unit u's master was set outside an update (a restore): remakes its copies."""
+    self.updated(u, self.host_opt.stream_copy(u) if self.keep_copy else None)
+
+  def take_resident_h2d_bytes(self) -> int:
+    """Bytes of resident refreshes since the last call."""
+    with self._lock:
+      out, self.resident_h2d_bytes = self.resident_h2d_bytes, 0
+    return out
+
+  def stream_bytes(self) -> int:
+    """Host bytes of the kept streaming copies (0 when none are kept)."""
+    return 0 if self._stream is None else sum(x.nbytes for x in self._stream)
+
+  def free_device(self) -> None:
+    """Drops the resident device copies (the trainer is closing)."""
+    for u in list(self._resident):
+      self.ledger.remove(("resident", u))
+    self._resident.clear()

@@ -1,0 +1,7 @@
+"""Will it fit, and how fast? Hardware profiles (`hardware`) and the plan (`plan`)."""
+
+from megatrain_jax.planner.hardware import (GB, PROFILES, Hardware, hardware,
+                                            measure_hardware)
+from megatrain_jax.planner.plan import (TB, Plan, config_from_hf_json, device_peak,
+                                        device_total, largest_batch, plan, step_bytes,
+                                        workspace_bytes)

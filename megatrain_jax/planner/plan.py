@@ -1,0 +1,199 @@
+"""Will it fit, and how fast will it be? The plan for a model on a `Hardware` profile.
+
+`plan(cfg, optimizer, engine_config, hardware, batch_size, seq_len)` predicts:
+
+- host bytes by kind (masters, optimizer state, gradient buffers, pinned copies,
+  checkpoint copies) and device bytes by kind (`engine.memory`), plus the device
+  peak the engine's ledger can reach (`engine.memory.step_plan`);
+- the largest batch that fits the device and the host;
+- the step time as the slowest of compute, host->device, device->host and the
+  host optimizer, plus what cannot overlap (the first fetch and the last update),
+  or, where device and host share the same cores (the CPU backend), their sum;
+- the bottleneck, and the break-even tokens per step at which the link stops
+  limiting (compute time grows with tokens, transfer time does not).
+
+The profiles are in `planner/hardware.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import optax
+
+from megatrain_jax.engine import memory
+from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
+from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.planner.hardware import Hardware
+
+TB = 1e12
+
+
+# -----------------------------------------------------------------------------
+# Memory.
+# -----------------------------------------------------------------------------
+
+def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> int:
+  """The device bytes the engine's ledger can peak at for this shape
+  (`engine.memory.step_plan`, the one device model)."""
+  return memory.step_plan(cfg, ec, batch_size, seq_len).peak["total"]
+
+
+def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
+                    flash_attention: bool) -> int:
+  """XLA's scratch inside one layer's backward template (estimated): the values the
+  vjp keeps (norm outputs, q/k/v, attention output, the MLP's three d_ff-wide
+  intermediates) and their cotangents, plus the [T, T] attention probabilities
+  and their gradient in fp32 unless attention is fused."""
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  tokens = (batch_size // ec.grad_accum) * seq_len
+  kv = cfg.n_kv_heads * cfg.head_dim
+  per_token = 2 * cfg.d_model + cfg.d_model + 2 * kv + cfg.d_model + 3 * cfg.d_ff
+  out = 2 * tokens * per_token * cd
+  if not flash_attention:
+    out += 2 * (batch_size // ec.grad_accum) * cfg.n_heads * seq_len * seq_len * 4
+  return out
+
+
+def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool = True
+                 ) -> dict[str, int]:
+  """`engine.memory.device_bytes` plus the workspace of one layer, by kind."""
+  dev = dict(memory.device_bytes(cfg, ec, batch_size, seq_len))
+  dev["workspace"] = workspace_bytes(cfg, ec, batch_size, seq_len, flash_attention)
+  dev["total"] += dev["workspace"]
+  return dev
+
+
+# -----------------------------------------------------------------------------
+# The plan.
+# -----------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class Plan:
+  """What `plan` predicts; `table()` formats it."""
+  hardware: str
+  batch_size: int
+  seq_len: int
+  params: int
+  host: dict[str, int]
+  device: dict[str, int]
+  device_peak: int
+  fits: bool
+  largest_batch: int
+  times: dict[str, float]
+  step_s: float
+  bottleneck: str
+  break_even_tokens: float
+  tokens_per_s: float
+  model_tflops_per_s: float
+  mfu: float
+
+  def table(self) -> str:
+    rows = [("hardware", self.hardware), ("parameters", f"{self.params / 1e9:.3f} B"),
+            ("batch", f"{self.batch_size} x {self.seq_len} tokens"),
+            ("fits", "yes" if self.fits else "NO"),
+            ("largest batch that fits", str(self.largest_batch))]
+    rows += [(f"host: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.host.items()]
+    rows += [(f"device: {k}", f"{v / 2**30:,.3f} GiB") for k, v in self.device.items()]
+    rows += [("device: predicted peak (ledger)", f"{self.device_peak / 2**30:,.3f} GiB")]
+    rows += [(f"time: {k}", f"{v * 1e3:,.1f} ms") for k, v in self.times.items()]
+    rows += [("step time", f"{self.step_s * 1e3:,.1f} ms"), ("bottleneck", self.bottleneck),
+             ("break-even tokens/step (link = compute)", f"{self.break_even_tokens:,.0f}"),
+             ("tokens/s", f"{self.tokens_per_s:,.0f}"),
+             ("model TFLOPS", f"{self.model_tflops_per_s:,.2f}"),
+             ("MFU (of stated peak)", f"{100 * self.mfu:.1f}%")]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
+  """Bytes one step moves each way, and the host optimizer's traffic."""
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  sizes = memory.unit_sizes(cfg)
+  L, n = cfg.n_layers, sum(sizes)
+  embed, head, block = sizes[0], sizes[-1], sizes[1] if L else 0
+  fetched = 2 * L * block + (embed + head if ec.stream_embed_head else 0)
+  if cfg.tie_embeddings and ec.stream_embed_head:
+    fetched += embed
+  grads = cd * (n - embed) + 4 * embed
+  # AdamW-class: read master, grad, 2 moments; write master, 2 moments; write the copy.
+  opt = n * (4 + 4 + 16 + cd) + (4 * n * 2 * (ec.grad_accum - 1))
+  return {"h2d": ec.grad_accum * cd * fetched, "d2h": ec.grad_accum * grads, "host_opt": opt}
+
+
+def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, float]:
+  tokens = batch_size * seq_len
+  recompute = recompute_flops_per_token(cfg, seq_len) * (1 if ec.checkpoint_every == 1 else 2)
+  flops = (model_flops_per_token(cfg, seq_len) + recompute) * tokens
+  per_micro_calls = 3 + cfg.n_layers * (3 if ec.checkpoint_every == 1 else 4)
+  b = step_bytes(cfg, ec)
+  return {
+      "compute": flops / hw.flops_at(cfg.d_model)
+                 + ec.grad_accum * per_micro_calls * hw.call_overhead_s,
+      "h2d": b["h2d"] / hw.h2d_bytes_per_s,
+      "d2h": b["d2h"] / hw.d2h_bytes_per_s,
+      "host_opt": b["host_opt"] / hw.host_opt_bytes_per_s,
+  }
+
+
+def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: bool = True,
+                  limit: int = 1 << 16) -> int:
+  """The largest batch (a multiple of grad_accum) whose device bytes, workspace
+  included, fit in `device_bytes`; 0 when not even one micro-batch fits."""
+  fits = lambda b: (device_total(cfg, ec, b, seq_len, flash_attention)["total"]
+                    <= device_bytes)
+  step = ec.grad_accum
+  if not fits(step):
+    return 0
+  lo, hi = 1, 2
+  while hi * step <= limit and fits(hi * step):
+    lo, hi = hi, hi * 2
+  while hi - lo > 1:
+    mid = (lo + hi) // 2
+    lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+  return lo * step
+
+
+def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hardware,
+         batch_size: int, seq_len: int) -> Plan:
+  """Memory and step time of a streaming run on `hw` (see the module docstring)."""
+  host = memory.host_bytes(cfg, optimizer, ec, on_cpu=hw.shared)
+  dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
+  t = _times(cfg, ec, hw, batch_size, seq_len)
+  sizes = memory.unit_sizes(cfg)
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  if hw.shared:
+    step = sum(t.values())
+    bottleneck = "shared cores: " + max(t, key=t.get)
+  else:
+    # The first unit's fetch and the last unit's update cannot overlap anything.
+    exposed = cd * sizes[0] / hw.h2d_bytes_per_s + t["host_opt"] * sizes[0] / sum(sizes)
+    t["not_overlapped"] = exposed
+    if ec.prefetch_depth == 0:  # each fetch waits for the previous compute: no overlap
+      step = max(t["compute"] + t["h2d"], t["d2h"], t["host_opt"]) + exposed
+      bottleneck = "compute + h2d (no prefetch)"
+    else:
+      step = max(t["compute"], t["h2d"], t["d2h"], t["host_opt"]) + exposed
+      bottleneck = max(("compute", "h2d", "d2h", "host_opt"), key=t.get)
+  tokens = batch_size * seq_len
+  per_token = (t["compute"]) / tokens
+  break_even = t["h2d"] / per_token if per_token > 0 else float("inf")
+  model_flops = model_flops_per_token(cfg, seq_len) * tokens
+  host_need = host["total"] + (dev["total"] if hw.shared else 0)
+  return Plan(
+      hardware=hw.name, batch_size=batch_size, seq_len=seq_len, params=sum(sizes),
+      host=host, device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
+      fits=host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes,
+      largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention),
+      times=t, step_s=step, bottleneck=bottleneck, break_even_tokens=break_even,
+      tokens_per_s=tokens / step, model_tflops_per_s=model_flops / step / TB,
+      mfu=model_flops / step / hw.peak_flops)
+
+
+def config_from_hf_json(path: str) -> LlamaConfig:
+  """A LlamaConfig from a Hugging Face config.json file."""
+  import json  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import hf  # pylint: disable=import-outside-toplevel
+  with open(path, encoding="utf-8") as f:
+    return hf.config_from_hf(json.load(f))[0]

@@ -1,0 +1,79 @@
+"""The package's layers: dependencies point down, and nobody reaches into another's privates.
+
+experiments -> train / figures / bench -> planner -> engine -> models, with data,
+checkpoint and hf beside the engine, never below it.
+"""
+
+import ast
+
+import pytest
+
+from import_graph import PKG, package_graph, parse, py_files, reachable
+
+ABOVE_ENGINE = ("hf", "checkpoint", "data", "train", "planner", "bench", "figures",
+                "safetensors_reader", "config_flags")
+GRAPH = package_graph()
+
+
+def _modules(prefix):
+  return sorted(m for m in GRAPH if m == prefix or m.startswith(prefix + "."))
+
+
+@pytest.mark.parametrize("module", _modules(f"{PKG}.engine"))
+def test_the_engine_reaches_nothing_above_it(module):
+  reached = reachable(GRAPH, module)
+  bad = sorted(m for m in reached for top in ABOVE_ENGINE
+               if m == f"{PKG}.{top}" or m.startswith(f"{PKG}.{top}."))
+  assert not bad, f"{module} imports (through others) {bad}"
+  assert PKG not in reached, f"{module} imports the whole package"
+
+
+@pytest.mark.parametrize("module", _modules(f"{PKG}.models"))
+def test_the_models_reach_neither_the_engine_nor_the_data(module):
+  reached = reachable(GRAPH, module)
+  bad = sorted(m for m in reached if m.startswith((f"{PKG}.engine", f"{PKG}.data")))
+  assert not bad, f"{module} imports (through others) {bad}"
+
+
+def test_the_layering_check_sees_a_lazy_import():
+  # An import inside a function is an edge of the graph like any other.
+  graph = {"a": {"b"}, "b": {"c"}, "c": set()}
+  assert reachable(graph, "a") == {"b", "c"}
+  tree = ast.parse("def f():\n  from megatrain_jax import hf\n")
+  assert any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
+
+
+# Members whose leading underscore is part of a public API (namedtuple's methods).
+PUBLIC_UNDERSCORED = {"_replace", "_asdict", "_fields", "_make", "_field_defaults"}
+
+
+def private_accesses(path):
+  """(line, text) of each `x._name` where x is not self or cls."""
+  out = []
+  for node in ast.walk(parse(path)):
+    if (isinstance(node, ast.Attribute) and node.attr.startswith("_")
+        and not node.attr.startswith("__") and node.attr not in PUBLIC_UNDERSCORED):
+      owner = node.value
+      if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+        continue
+      out.append((node.lineno, ast.unparse(node)))
+  return out
+
+
+@pytest.mark.parametrize("folder", [PKG, "experiments", "tests"])
+def test_no_one_touches_another_objects_private_members(folder):
+  found = {p: private_accesses(p) for p in py_files(folder)}
+  found = {p: v for p, v in found.items() if v}
+  assert not found, found
+
+
+def test_the_private_check_sees_one():
+  import os
+  import tempfile
+  from import_graph import REPO
+  with tempfile.NamedTemporaryFile("w", suffix=".py", dir=REPO, delete=False) as f:
+    f.write("def f(trainer, self):\n  trainer._stream = None\n  return self._ok\n")
+  try:
+    assert private_accesses(os.path.relpath(f.name, REPO)) == [(2, "trainer._stream")]
+  finally:
+    os.remove(f.name)

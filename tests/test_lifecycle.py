@@ -1,0 +1,175 @@
+"""A trainer's life: idle waits, late failures, close, a dropped trainer, revival by restore."""
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import weakref
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import megatrain_jax as mt
+from megatrain_jax.engine import transport as transport_lib
+
+from conftest import TINY, random_batch
+
+
+def _engine_threads():
+  return [t for t in threading.enumerate() if t.name.startswith("megatrain-") and t.is_alive()]
+
+
+def _engine(opt=None, **kw):
+  return mt.StreamingTrainer.from_config(TINY, opt or mt.optim.adamw(1e-2),
+                                         mt.EngineConfig(**kw), jax.random.key(0))
+
+
+class _SlowFailingD2H(transport_lib.DeviceTransport):
+  """Each gradient's trip takes `delay_s`; the `fail_at`-th one raises."""
+
+  def __init__(self, fail_at, delay_s=0.3):
+    super().__init__()
+    self.fail_at, self.delay_s, self.calls = fail_at, delay_s, 0
+
+  def d2h(self, device_array):
+    self.calls += 1
+    time.sleep(self.delay_s)
+    if self.calls == self.fail_at:
+      raise OSError("injected late d2h fault")
+    return super().d2h(device_array)
+
+
+def test_an_idle_trainer_does_not_time_out():
+  with _engine(timeout_s=2.0) as eng:
+    eng.step(random_batch(TINY))
+    time.sleep(5)
+    assert np.isfinite(eng.step(random_batch(TINY, seed=1))["loss"])
+
+
+def test_an_idle_whole_tree_trainer_does_not_time_out():
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))
+  with _engine(opt, timeout_s=2.0) as eng:
+    eng.step(random_batch(TINY))
+    eng.step(random_batch(TINY, seed=1))
+    time.sleep(5)
+    assert np.isfinite(eng.step(random_batch(TINY, seed=2))["loss"])
+
+
+def test_a_failure_after_the_step_returned_is_raised_by_close_and_after():
+  # Gradients take 0.3 s each to come back: the step returns after the head's, and
+  # the last one (layer 0's) fails while nobody waits on the engine.
+  n_units = TINY.n_layers + 2
+  eng = _engine(transport=_SlowFailingD2H(fail_at=n_units))
+  eng.step(random_batch(TINY))
+  with pytest.raises(OSError, match="injected late d2h fault"):
+    eng.close()
+  assert not _engine_threads()
+  for call in (eng.params, eng.wait, lambda: eng.unit_params(0)):
+    with pytest.raises(RuntimeError, match="injected late d2h fault"):
+      call()
+  eng.close()  # reported once; closing again is quiet
+
+
+def test_a_failure_after_the_step_returned_is_raised_by_exit():
+  n_units = TINY.n_layers + 2
+  with pytest.raises(OSError, match="injected late d2h fault"):
+    with _engine(transport=_SlowFailingD2H(fail_at=n_units)) as eng:
+      eng.step(random_batch(TINY))
+  assert not _engine_threads()
+
+
+def test_exit_does_not_hide_the_exception_in_the_with_block():
+  n_units = TINY.n_layers + 2
+  with pytest.raises(KeyError, match="the user's own error"):
+    with _engine(transport=_SlowFailingD2H(fail_at=n_units)) as eng:
+      eng.step(random_batch(TINY))
+      raise KeyError("the user's own error")
+
+
+def test_a_dropped_trainer_is_freed_and_its_threads_stop():
+  before = len(_engine_threads())
+  eng = _engine()
+  eng.step(random_batch(TINY))
+  ref = weakref.ref(eng)
+  del eng
+  gc.collect()
+  assert ref() is None
+  deadline = time.monotonic() + 10
+  while len(_engine_threads()) > before and time.monotonic() < deadline:
+    time.sleep(0.05)
+  assert len(_engine_threads()) == before
+
+
+def test_a_dropped_trainer_returns_its_host_memory():
+  # A model whose host state (fp32 master + Adam moments) is ~150 MB, dropped twice
+  # without close(): the process' resident memory must come back each time.
+  code = textwrap.dedent("""
+      import gc, jax, megatrain_jax as mt
+      from conftest import random_batch
+      cfg = mt.LlamaConfig(vocab_size=256, d_model=512, n_layers=4, n_heads=8,
+                           n_kv_heads=4, d_ff=1536, max_seq_len=32)
+      def rss():
+        with open("/proc/self/statm") as f:
+          return int(f.read().split()[1]) * 4096
+      def build_and_drop():
+        eng = mt.StreamingTrainer.from_config(cfg, mt.optim.adamw(1e-3),
+                                              mt.EngineConfig(), jax.random.key(0))
+        eng.step(random_batch(cfg, 1, 8))
+        eng.wait()
+        return rss(), eng.stats()["param_count"]
+      sizes = []
+      for _ in range(3):
+        held, n = build_and_drop()  # the trainer is dropped as the function returns
+        gc.collect()
+        sizes.append((held, rss()))
+      print("RESULT", repr((n, sizes)))
+  """)
+  env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.abspath(__file__)))
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=env)
+  assert out.returncode == 0, out.stderr[-3000:]
+  line = [l for l in out.stdout.splitlines() if l.startswith("RESULT")][-1]
+  n, sizes = eval(line[len("RESULT "):])  # pylint: disable=eval-used
+  state = 12 * n
+  for held, after in sizes:
+    assert held - after > 0.8 * state, (n, sizes)  # the trainer's state went back
+  assert sizes[-1][1] - sizes[0][1] < 0.5 * state, (n, sizes)  # nothing piles up
+
+
+def test_close_frees_the_buffers_fetched_ahead():
+  eng = _engine()
+  eng.step(random_batch(TINY))
+  eng.wait()
+  assert eng.stats()["device_bytes"] > 0  # the next step's first units, fetched ahead
+  eng.close()
+  assert eng.stats()["device_bytes"] == 0
+
+
+def test_restore_revives_a_trainer_invalid_after_a_failure():
+  eng = _engine(transport=_SlowFailingD2H(fail_at=3, delay_s=0.0))
+  snap = eng.snapshot()
+  saved = {k: snap.take(k) for k in snap.keys}
+  with pytest.raises(OSError, match="injected late d2h fault"):
+    eng.step(random_batch(TINY))
+    eng.wait()
+  with pytest.raises(RuntimeError, match="invalid"):
+    eng.step(random_batch(TINY))
+  eng.restore(lambda key: saved[key], 0)
+  with _engine() as fresh:
+    want = fresh.step(random_batch(TINY))["loss"]
+  assert eng.step(random_batch(TINY))["loss"] == want
+  eng.close()
+
+
+def test_restore_on_a_closed_trainer_is_refused():
+  eng = _engine()
+  snap = eng.snapshot()
+  saved = {k: snap.take(k) for k in snap.keys}
+  eng.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    eng.restore(lambda key: saved[key], 0)

@@ -1,0 +1,81 @@
+"""The device-memory model (`engine.memory.step_plan`) against the engine's own ledger."""
+
+import time
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import megatrain_jax as mt
+from megatrain_jax.engine import memory
+from megatrain_jax.engine import transport as transport_lib
+
+from conftest import TINY, random_batch
+
+
+class _SlowGradients(transport_lib.DeviceTransport):
+  """Gradients take 50 ms each to leave: the gradient queue fills (the worst case)."""
+
+  def d2h(self, device_array):
+    time.sleep(0.05)
+    return super().d2h(device_array)
+
+
+CFG = TINY.replace(n_layers=4, vocab_size=512)
+CASES = {
+    "default": (CFG, {}),
+    "no_prefetch": (CFG, dict(prefetch_depth=0)),
+    "slow_link": (CFG, dict(transport="slow")),
+    "slow_link_tied": (CFG.replace(tie_embeddings=True), dict(transport="slow")),
+    "slow_link_groups": (CFG, dict(transport="slow", checkpoint_every=2)),
+    "slow_link_resident_ends": (CFG, dict(transport="slow", stream_embed_head=False)),
+    "slow_link_accum_tied": (CFG.replace(tie_embeddings=True),
+                             dict(transport="slow", grad_accum=2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_ledger_never_passes_the_model(name):
+  cfg, kw = CASES[name]
+  slow = kw.get("transport") == "slow"
+  ec = mt.EngineConfig(**{**kw, "transport": _SlowGradients() if slow else None})
+  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    for s in range(3):
+      eng.step(random_batch(cfg, 4, 16, seed=s))
+    measured = eng.stats()["device_peak_bytes"]
+  predicted = memory.step_plan(cfg, ec, 4, 16).peak["total"]
+  assert measured <= predicted
+  if slow:  # the worst case the model assumes happens: the bound is tight
+    assert measured >= 0.75 * predicted, (measured, predicted)
+  assert eng.estimate_device_bytes(4, 16)["total"] >= predicted
+
+
+def test_start_buffers_stay_within_the_peak_without_them():
+  # Small activations, a deep model: one more buffer at a step's start fits.
+  cfg = TINY.replace(n_layers=8)
+  ec = mt.EngineConfig(transport=_SlowGradients())
+  plan = memory.step_plan(cfg, ec, 2, 8)
+  without = memory.step_plan(cfg, mt.EngineConfig(step_start_buffers=0), 2, 8)
+  assert plan.schedule.start_buffers == 1 and plan.schedule.start_positions > 0
+  assert plan.peak == without.peak
+  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    for s in range(3):
+      eng.step(random_batch(cfg, 2, 8, seed=s))
+    stats = eng.stats()
+  assert stats["start_buffer_fetches"] > 0
+  assert stats["device_peak_bytes"] <= without.peak["total"]
+
+
+def test_the_budget_check_and_the_preflight_use_the_same_numbers():
+  ec = mt.EngineConfig()
+  need = memory.device_bytes(CFG, ec, 4, 16)
+  with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    assert eng.estimate_device_bytes(4, 16) == need
+  tight = mt.EngineConfig(device_budget_bytes=need["total"] - 1)
+  with pytest.raises(ValueError, match=r"needs about .* over the device limit"):
+    memory.check_fits(CFG, optax.sgd(0.1), tight, 4, 16)
+  with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.1), tight, jax.random.key(0)) as eng:
+    with pytest.raises(ValueError, match=r"needs about .* over the device limit"):
+      eng.step(random_batch(CFG, 4, 16))
+    assert np.isfinite(eng.step(random_batch(CFG, 2, 16))["loss"])  # a smaller batch fits
