@@ -63,7 +63,14 @@ class CheckpointError(RuntimeError):
 
 
 def checksum(arr: np.ndarray) -> int:
-  """CRC-32 of an array's bytes."""
+  """CRC-32 of an array's bytes.
+
+  Args:
+    arr: the array.
+
+  Returns:
+    The CRC-32 of its bytes in C order.
+  """
   return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
@@ -110,7 +117,11 @@ class CheckpointManager:
         shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
   def steps(self) -> list[int]:
-    """Steps of the complete checkpoints, oldest first."""
+    """Steps of the complete checkpoints, oldest first.
+
+    Returns:
+      The step numbers of the `step_<N>` directories.
+    """
     out = []
     for name in os.listdir(self.directory):
       m = _STEP_RE.match(name)
@@ -119,6 +130,14 @@ class CheckpointManager:
     return sorted(out)
 
   def path(self, step: int) -> str:
+    """Where the checkpoint of a step lives.
+
+    Args:
+      step: the step.
+
+    Returns:
+      `<directory>/step_<N>`, N zero-padded to 8 digits.
+    """
     return os.path.join(self.directory, f"step_{step:08d}")
 
   # -- saving ---------------------------------------------------------------
@@ -128,6 +147,13 @@ class CheckpointManager:
 
     `meta` (JSON-serialisable: settings, data position) is stored beside it and
     compared on restore. A save waits for the previous one and raises its error.
+
+    Args:
+      trainer: the trainer to save.
+      meta: settings and data position to store with the state.
+
+    Raises:
+      CheckpointError: the previous save failed.
     """
     self.wait()
     step = trainer.step_count
@@ -180,7 +206,11 @@ class CheckpointManager:
       shutil.rmtree(self.path(old), ignore_errors=True)
 
   def wait(self) -> None:
-    """Waits for the save in progress; raises CheckpointError if it failed."""
+    """Waits for the save in progress; raises CheckpointError if it failed.
+
+    Raises:
+      CheckpointError: the last save failed (raised once).
+    """
     if self._thread is not None:
       self._thread.join()
       self._thread = None
@@ -190,6 +220,11 @@ class CheckpointManager:
                             f"{type(err).__name__}: {err}") from err
 
   def close(self) -> None:
+    """Waits for the save in progress, as `wait`.
+
+    Raises:
+      CheckpointError: the last save failed.
+    """
     self.wait()
 
   # -- restoring ------------------------------------------------------------
@@ -200,6 +235,19 @@ class CheckpointManager:
 
     `expect` holds sections of settings (e.g. {"model": ..., "run": ...}) that
     must equal the checkpoint's. Returns None when there is no checkpoint.
+
+    Args:
+      trainer: the trainer to restore into.
+      expect: section name -> the settings this run has.
+
+    Returns:
+      The restored checkpoint's meta, or None.
+
+    Raises:
+      ValueError: the newest checkpoint with a readable meta.json was written with
+        other settings or holds a state laid out differently.
+      CheckpointError: checkpoints exist but none can be read back; the trainer's
+        state is then undefined.
     """
     steps = self.steps()
     if not steps:

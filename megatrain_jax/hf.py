@@ -80,8 +80,17 @@ _MAPPED = {"vocab_size": "vocab_size", "hidden_size": "d_model",
 
 
 def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
-  """(LlamaConfig, architecture) from a config.json dict; ValueError lists what is
-  not implemented."""
+  """The model config of a config.json dict.
+
+  Args:
+    hf: config.json's contents.
+
+  Returns:
+    (LlamaConfig, architecture: "llama", "qwen2" or "mistral").
+
+  Raises:
+    ValueError: listing every key or value this implementation does not handle.
+  """
   archs = hf.get("architectures") or []
   arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
   if arch is None:
@@ -141,7 +150,15 @@ def read_config(local_dir: str) -> tuple[LlamaConfig, str, dict[str, Any]]:
 # -- tensor names -----------------------------------------------------------------
 
 def block_tensor_names(i: int, cfg: LlamaConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
-  """Layer i's Hugging Face tensor names -> (path in our block tree, transposed?)."""
+  """How one layer's Hugging Face tensors map onto our block tree.
+
+  Args:
+    i: the layer (0-based).
+    cfg: the model (q/k/v biases or not).
+
+  Returns:
+    HF tensor name -> (path in our block tree, whether it is stored transposed).
+  """
   pre = f"model.layers.{i}."
   names = {pre + "input_layernorm.weight": (("attn_norm", "scale"), False),
            pre + "post_attention_layernorm.weight": (("mlp_norm", "scale"), False)}
@@ -169,7 +186,15 @@ def _set(tree: dict, path: tuple[str, ...], value) -> None:
 
 
 def tree_get(tree: dict, path: tuple[str, ...]):
-  """The leaf at `path` of a nested dict."""
+  """The leaf at a path of a nested dict.
+
+  Args:
+    tree: the dict.
+    path: keys, outermost first.
+
+  Returns:
+    The leaf.
+  """
   for k in path:
     tree = tree[k]
   return tree
@@ -300,11 +325,17 @@ def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
 
 
 def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Llama]:
-  """(cfg, NNX model) from a local Llama / Qwen2 / Mistral checkpoint directory.
+  """An NNX model from a local Llama / Qwen2 / Mistral checkpoint directory.
 
-  `dtype` is the model's compute dtype; parameters are fp32. To train a model
-  bigger than the device, use `StreamingTrainer.from_pretrained` instead, which
+  To train a model bigger than the device, use `streaming_trainer` instead, which
   never builds the whole model on the device.
+
+  Args:
+    local_dir: the checkpoint directory.
+    dtype: the model's compute dtype (parameters are fp32).
+
+  Returns:
+    (cfg, the model).
   """
   cfg, arch, _ = read_config(local_dir)
   units = list(load_units(local_dir, cfg))
@@ -336,7 +367,21 @@ def _unit_trees(obj) -> Iterator[Params]:
 
 def hf_config(cfg: LlamaConfig, architecture: str | None = None,
               extra: dict[str, Any] | None = None) -> dict[str, Any]:
-  """config.json for `cfg`; architecture defaults to qwen2 with qkv biases, else llama."""
+  """The config.json of a model.
+
+  Args:
+    cfg: the model.
+    architecture: "llama", "qwen2" or "mistral" (default: qwen2 with q/k/v biases,
+      else llama).
+    extra: a source config.json, whose keys that do not change the math (token
+      ids and such) are kept.
+
+  Returns:
+    config.json's contents.
+
+  Raises:
+    ValueError: an unknown architecture, or q/k/v biases on one without them.
+  """
   arch = architecture or ("qwen2" if cfg.qkv_bias else "llama")
   if arch not in ARCHITECTURES.values():
     raise ValueError(f"architecture={arch!r} is not one of {sorted(ARCHITECTURES.values())}.")
@@ -366,11 +411,19 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
 def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
                     architecture: str | None = None, max_shard_bytes: int = 4 * 2**30,
                     extra_config: dict[str, Any] | None = None) -> None:
-  """Writes config.json and fp32 safetensors (sharded above `max_shard_bytes`, with
-  model.safetensors.index.json) that `transformers` loads.
+  """Writes config.json and fp32 safetensors that `transformers` loads.
 
   Units are read one at a time, so a trainer's host store is never copied whole.
-  `extra_config` carries token ids and such from the source config.json.
+
+  Args:
+    model_or_trainer: a `Llama`, a `StreamingTrainer`, a `ResidentTrainer` or a
+      parameter tree.
+    cfg: the model.
+    out_dir: where to write (created if missing).
+    architecture: as `hf_config`.
+    max_shard_bytes: above this the weights are sharded, with
+      model.safetensors.index.json.
+    extra_config: a source config.json (token ids and such are kept).
   """
   from safetensors.numpy import save_file
   os.makedirs(out_dir, exist_ok=True)

@@ -17,6 +17,13 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
   attention scores and weighted values: 4 x T x D per layer forward, x3 for
   forward + backward = 12 x n_layers x T x D. Causal masking is not discounted,
   as in the usual MFU convention.
+
+  Args:
+    cfg: the model.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The FLOPs of one token.
   """
   n = cfg.param_count(include_embeddings=False)
   head = cfg.d_model * cfg.vocab_size
@@ -24,7 +31,15 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
 
 
 def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-  """Extra hardware FLOPs per token of recomputing every block's forward once."""
+  """Extra hardware FLOPs per token of recomputing every block's forward once.
+
+  Args:
+    cfg: the model.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The extra FLOPs of one token.
+  """
   return 2.0 * cfg.n_layers * cfg.block_param_count() + 4.0 * cfg.n_layers * seq_len * cfg.d_model
 
 
@@ -37,10 +52,16 @@ class MetricsWriter:
     self._file = open(self.path, "a" if append else "w", encoding="utf-8")
 
   def write(self, record: dict[str, Any]) -> None:
+    """Appends `record` as one line and flushes it.
+
+    Args:
+      record: the step's metrics; JSON-serializable.
+    """
     self._file.write(json.dumps(record, sort_keys=True) + "\n")
     self._file.flush()
 
   def close(self) -> None:
+    """Closes the file."""
     self._file.close()
 
   def __enter__(self):
@@ -51,11 +72,26 @@ class MetricsWriter:
 
 
 def read_metrics(path: str) -> list[dict[str, Any]]:
+  """The records of a metrics.jsonl file.
+
+  Args:
+    path: the file.
+
+  Returns:
+    One dict per non-empty line, in file order.
+  """
   with open(path, encoding="utf-8") as f:
     return [json.loads(line) for line in f if line.strip()]
 
 
 def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = "") -> None:
+  """Plots loss against step and saves the figure as a PNG.
+
+  Args:
+    records: metric records, each with "step" and "loss".
+    out_png: the image file to write.
+    title: the plot's title; empty gives "training loss".
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt

@@ -19,6 +19,7 @@ import optax
 
 
 class AdamWHyper(NamedTuple):
+  """The hyperparameters of an `adamw` transform, as `optax.adamw` takes them."""
   learning_rate: Any  # float or optax schedule
   b1: float
   b2: float
@@ -36,7 +37,19 @@ class AdamW(NamedTuple):
 
 def adamw(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
           eps_root: float = 0.0, weight_decay: float = 1e-4) -> AdamW:
-  """`optax.adamw` (no mask, no Nesterov) that the engine can run fused on the host."""
+  """`optax.adamw` (no mask, no Nesterov) that the engine can run fused on the host.
+
+  Args:
+    learning_rate: a float, or an optax schedule of the step count.
+    b1: decay of the first moment.
+    b2: decay of the second moment.
+    eps: added to the root of the second moment.
+    eps_root: added to the second moment inside the root.
+    weight_decay: the decoupled weight decay rate (scaled by the learning rate).
+
+  Returns:
+    optax.adamw's init and update, with the hyperparameters.
+  """
   tx = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                    weight_decay=weight_decay)
   return AdamW(tx.init, tx.update,
@@ -49,6 +62,16 @@ def adam(learning_rate, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8,
 
   Note: with weight_decay=0 optax.adamw's update equals optax.adam's except for the
   `u + 0 * p` term, which changes no finite value.
+
+  Args:
+    learning_rate: a float, or an optax schedule of the step count.
+    b1: decay of the first moment.
+    b2: decay of the second moment.
+    eps: added to the root of the second moment.
+    eps_root: added to the second moment inside the root.
+
+  Returns:
+    The `adamw` transform with weight_decay=0.
   """
   return adamw(learning_rate, b1, b2, eps, eps_root, weight_decay=0.0)
 
@@ -58,6 +81,12 @@ def fused_adamw_update(h: AdamWHyper, params, grads, state):
 
   `state` is what `optax.adamw(...).init(params)` returns for a flat `params`.
   Returns (new_params, new_state).
+
+  Args:
+    h: the hyperparameters.
+    params: the flat parameters.
+    grads: their gradient.
+    state: the optimizer state of `params`.
   """
   adam_state, decay_state, lr_state = state
   scalars, new_lr_state = adamw_scalars(h, adam_state.count, lr_state)
@@ -76,7 +105,14 @@ class AdamWScalars(NamedTuple):
 
 
 def adamw_scalars(h: AdamWHyper, count, lr_state):
-  """optax.adamw's scalars for the step after `count`; returns (scalars, new lr_state)."""
+  """optax.adamw's scalars for the step after `count`; returns (scalars, new lr_state).
+
+  Args:
+    h: the hyperparameters.
+    count: the step count of the Adam state.
+    lr_state: the learning-rate part of the state (a step count for a schedule); it
+      advances only for a schedule.
+  """
   count_inc = optax.safe_increment(count)
   bias1 = (1 - h.b1 ** count_inc).astype(jnp.float32)
   bias2 = (1 - h.b2 ** count_inc).astype(jnp.float32)
@@ -89,7 +125,17 @@ def adamw_scalars(h: AdamWHyper, count, lr_state):
 
 
 def adamw_moments(h: AdamWHyper, grads, mu, nu):
-  """The new first and second moments, as optax.scale_by_adam computes them."""
+  """The new first and second moments, as optax.scale_by_adam computes them.
+
+  Args:
+    h: the hyperparameters.
+    grads: the gradient.
+    mu: the first moment.
+    nu: the second moment.
+
+  Returns:
+    (new mu, new nu).
+  """
   mu = (1 - h.b1) * (grads ** 1) + h.b1 * mu
   nu = (1 - h.b2) * (grads ** 2) + h.b2 * nu
   return mu, nu
@@ -102,6 +148,17 @@ def adamw_params(h: AdamWHyper, params, mu, nu, s: AdamWScalars, in_loop: bool =
   optax's `mu / bias1` into `mu * (1 / bias1)` when it compiles the whole update,
   but keeps the division inside a loop, and there rewrites `(mu / bias1) / d` as
   `mu / (bias1 * d)`; the loop form states the first rewrite itself.
+
+  Args:
+    h: the hyperparameters.
+    params: the parameters.
+    mu: the new first moment.
+    nu: the new second moment.
+    s: the step's scalars, from `adamw_scalars`.
+    in_loop: whether this runs inside a loop body.
+
+  Returns:
+    The new parameters, in the dtype of `params`.
   """
   if in_loop:
     mu_hat, nu_hat = mu * (1 / s.bias1), nu * (1 / s.bias2)
@@ -129,11 +186,27 @@ def clip_by_global_norm(max_norm: float, inner) -> ClipThen:
   after the sweep, then each unit is clipped and updated on its own, dispatched
   without waiting, so the next step's forward can start as soon as the first
   units are done. (Summing per unit changes the norm's rounding, not its value.)
+
+  Args:
+    max_norm: the global norm the gradients are clipped to.
+    inner: the transform applied to the clipped gradients.
+
+  Returns:
+    The chain's init and update, with `max_norm` and `inner`.
   """
   tx = optax.chain(optax.clip_by_global_norm(max_norm), inner)
   return ClipThen(tx.init, tx.update, float(max_norm), inner)
 
 
 def clip_with_norm(g, g_norm, max_norm: float):
-  """optax.clip_by_global_norm's per-leaf step, given the global norm."""
+  """optax.clip_by_global_norm's per-leaf step, given the global norm.
+
+  Args:
+    g: one gradient leaf.
+    g_norm: the global norm of the whole gradient.
+    max_norm: the norm to clip to.
+
+  Returns:
+    `g` when `g_norm < max_norm`, else `g` scaled by `max_norm / g_norm`.
+  """
   return jax.lax.select(g_norm < max_norm, g, (g / g_norm.astype(g.dtype)) * max_norm)

@@ -57,7 +57,20 @@ class ResidentTrainer:
 
   def step(self, batch: dict[str, Any]) -> dict[str, float]:
     """One step; a non-finite loss or gradient raises FloatingPointError and
-    changes nothing."""
+    changes nothing.
+
+    Args:
+      batch: the batch, in the format of `check_batch`.
+
+    Returns:
+      {"loss", "grad_norm", "tokens"}: the loss, the gradient's global norm and the
+      loss mask's sum.
+
+    Raises:
+      FloatingPointError: the loss or the gradient norm is NaN or infinite.
+      TypeError: the batch is not a mapping (see `check_batch`).
+      ValueError: a malformed batch (see `check_batch`).
+    """
     batch = check_batch(self.cfg, batch)
     self._params, self._opt_state, metrics = self._jit_step(
         self._params, self._opt_state, batch)
@@ -72,11 +85,20 @@ class ResidentTrainer:
     return out
 
   def loss_and_grads(self, batch: dict[str, Any]):
-    """(loss, gradient tree as numpy) at the current parameters; no update."""
+    """(loss, gradient tree as numpy) at the current parameters; no update.
+
+    Args:
+      batch: the batch, in the format of `check_batch`.
+    """
     loss, grads = self._jit_grad(self._params, check_batch(self.cfg, batch))
     return float(loss), jax.tree.map(np.asarray, grads)
 
   def params(self) -> dict[str, Any]:
+    """The current parameters.
+
+    Returns:
+      The parameter tree, as host numpy arrays.
+    """
     return jax.tree.map(np.asarray, self._params)
 
   @property
@@ -89,17 +111,33 @@ class ResidentTrainer:
     return {"params": self._params, "opt_state": self._opt_state}
 
   def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """What `snapshot` holds.
+
+    Returns:
+      For "params" and "opt_state", the (shape, dtype name) of each leaf, keyed
+      "leaf_NNNN" in `jax.tree` order.
+    """
     return {k: {f"leaf_{i:04d}": (tuple(x.shape), str(x.dtype))
                 for i, x in enumerate(jax.tree.leaves(t))}
             for k, t in self._parts().items()}
 
   def snapshot(self) -> Snapshot:
-    """Host copies of the whole state, taken now (the next step donates it)."""
+    """Host copies of the whole state, taken now (the next step donates it).
+
+    Returns:
+      The `Snapshot` of the parts of `state_layout()`.
+    """
     return static_snapshot({k: {f"leaf_{i:04d}": np.array(x)
                                 for i, x in enumerate(jax.tree.leaves(t))}
                             for k, t in self._parts().items()})
 
   def restore(self, read, step_count: int) -> None:
+    """Replaces the whole state with the parts of `state_layout()` from `read`.
+
+    Args:
+      read: part name -> its arrays, keyed as in `state_layout()`.
+      step_count: the step the state belongs to.
+    """
     parts = {}
     for k, t in self._parts().items():
       leaves, treedef = jax.tree.flatten(t)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging as std_logging
 import os
 import shutil
+import sys
 import time
 from typing import Any
 
@@ -22,6 +24,7 @@ from megatrain_jax import planner
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import optim
 from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer, memory
+from megatrain_jax.engine import preflight as preflight_lib
 from megatrain_jax.models.config import LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.resident import ResidentTrainer
@@ -88,13 +91,21 @@ class TrainConfig:
                    "seed", "hf_model_dir")
 
   def model_config(self) -> LlamaConfig:
-    """The model: the checkpoint's config with --hf_model_dir, else the preset."""
+    """The model.
+
+    Returns:
+      The checkpoint's config with --hf_model_dir, else the preset (or the config).
+    """
     if self.hf_model_dir:
       return hf.read_config(self.hf_model_dir)[0]
     return preset(self.model) if isinstance(self.model, str) else self.model
 
   def streaming_config(self) -> EngineConfig:
-    """`engine_config`, with the simulated link when one is asked for."""
+    """The streaming engine's config for this run.
+
+    Returns:
+      `engine_config`, with a `SimulatedLink` when --simulated_link_gb_per_s is set.
+    """
     if self.simulated_link_gb_per_s:
       return dataclasses.replace(self.engine_config,
                                  transport=SimulatedLink(self.simulated_link_gb_per_s))
@@ -149,6 +160,14 @@ class TrainConfig:
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
+  """The run's optimizer: AdamW, linear warmup then cosine decay to a tenth.
+
+  Args:
+    tc: the run.
+
+  Returns:
+    `mt.optim.adamw` (optax.adamw, which the engine runs fused on the host).
+  """
   warmup = min(tc.warmup_steps, tc.steps // 2)
   schedule = optax.warmup_cosine_decay_schedule(
       0.0, tc.lr, warmup, max(tc.steps, warmup + 1), end_value=0.1 * tc.lr)
@@ -157,7 +176,16 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
 
 
 def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
-  """The trainer `tc.engine` names; both start from the same parameters for a seed."""
+  """The trainer `tc.engine` names; both start from the same parameters for a seed.
+
+  Args:
+    tc: the run.
+    cfg: its model.
+
+  Returns:
+    A `StreamingTrainer` (from the checkpoint or initialised on the host) or a
+    `ResidentTrainer`.
+  """
   key = jax.random.key(tc.seed)
   if tc.hf_model_dir and tc.engine == "streaming":
     return hf.streaming_trainer(tc.hf_model_dir, make_optimizer(tc), tc.streaming_config())
@@ -171,8 +199,19 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
 
 
 def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
-  """The largest batch the planner says fits the device (the budget, the accelerator,
-  or on the CPU backend the host RAM the rest of the run leaves)."""
+  """The largest batch the planner says fits the device.
+
+  Args:
+    tc: the run.
+    cfg: its model.
+
+  Returns:
+    The batch size: under the budget, the accelerator's memory, or on the CPU
+    backend the host RAM the rest of the run leaves.
+
+  Raises:
+    ValueError: not even one sequence fits.
+  """
   ec = tc.engine_config
   limit = ec.device_budget_bytes or memory.accelerator_bytes()
   if limit is None:
@@ -189,7 +228,18 @@ def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
 
 
 def make_dataset(tc: TrainConfig, cfg: LlamaConfig) -> data_lib.PackedDataset:
-  """Batches of `tc.data` in `tc.data_format`, tokenized for the model."""
+  """Batches of `tc.data` in `tc.data_format`, tokenized for the model.
+
+  Args:
+    tc: the run.
+    cfg: its model.
+
+  Returns:
+    The dataset.
+
+  Raises:
+    ValueError: a tokenizer with more ids than the model's vocabulary, or bad data.
+  """
   tok = tc.tokenizer()
   if tok.vocab_size > cfg.vocab_size:
     raise ValueError(f"The tokenizer has {tok.vocab_size} ids but the model's vocab_size "
@@ -204,7 +254,14 @@ def make_dataset(tc: TrainConfig, cfg: LlamaConfig) -> data_lib.PackedDataset:
 
 
 def export(tc: TrainConfig, cfg: LlamaConfig, trainer) -> None:
-  """Writes the trained model to `tc.export_dir` in Hugging Face format."""
+  """Writes the trained model to `tc.export_dir` in Hugging Face format, with the
+  source checkpoint's tokenizer files.
+
+  Args:
+    tc: the run.
+    cfg: its model.
+    trainer: the trained trainer.
+  """
   arch, extra = None, None
   if tc.hf_model_dir:
     _, arch, extra = hf.read_config(tc.hf_model_dir)
@@ -218,11 +275,23 @@ def export(tc: TrainConfig, cfg: LlamaConfig, trainer) -> None:
 
 
 def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
-  """Host and device bytes the run needs; refuses (ValueError) a run that cannot fit."""
+  """Host and device bytes the run needs.
+
+  Args:
+    tc: the run.
+    cfg: its model.
+
+  Returns:
+    {"host": bytes by kind, "device": bytes by kind}.
+
+  Raises:
+    ValueError: the run cannot fit (see `preflight.check_fits`).
+  """
   resident = tc.engine == "resident"
-  plan = memory.check_fits(cfg, make_optimizer(tc), None if resident else tc.engine_config,
-                           tc.batch_size, tc.seq_len, host_limit=tc.host_memory_limit_bytes,
-                           resident=resident)
+  plan = preflight_lib.check_fits(cfg, make_optimizer(tc),
+                                  None if resident else tc.engine_config, tc.batch_size,
+                                  tc.seq_len, host_limit=tc.host_memory_limit_bytes,
+                                  resident=resident)
   logging.info("Memory plan: host %.3f GiB, device %.3f GiB (available host: %.1f GiB).",
                plan["host"]["total"] / memory.GiB, plan["device"]["total"] / memory.GiB,
                (tc.host_memory_limit_bytes or memory.available_host_bytes()) / memory.GiB)
@@ -230,7 +299,15 @@ def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
 
 
 def checkpoint_settings(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, Any]]:
-  """What a checkpoint records and a resume compares."""
+  """What a checkpoint records and a resume compares.
+
+  Args:
+    tc: the run.
+    cfg: its model.
+
+  Returns:
+    {"model": the config, "run": the settings a resume must share}.
+  """
   run = {k: getattr(tc, k) for k in tc.RESUME_FIELDS}
   run["compute_dtype"] = tc.engine_config.dtype_name
   return {"model": cfg.to_dict(), "run": run}
@@ -241,6 +318,16 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
 
   Running it again with the same workdir resumes from the latest complete
   checkpoint; the steps after it are logged exactly as an uninterrupted run's.
+
+  Args:
+    tc: the run.
+
+  Returns:
+    The metrics records, one per logged step.
+
+  Raises:
+    ValueError, OSError: bad input (a flag, data, a checkpoint), before anything is
+      built where it can be checked.
   """
   tc.validate()
   cfg = tc.model_config()
@@ -346,8 +433,16 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
 
 
 def progress_bar(total: int, start: int):
-  """A tqdm bar on a terminal; None elsewhere (CI, files), where each logged step is
-  one plain line."""
+  """A progress bar, on a terminal only.
+
+  Args:
+    total: steps in the run.
+    start: steps already done.
+
+  Returns:
+    A tqdm bar, or None elsewhere (CI, files), where each logged step is one plain
+    log line.
+  """
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
   bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
              disable=None)
@@ -356,25 +451,32 @@ def progress_bar(total: int, start: int):
 
 @contextlib.contextmanager
 def logs_around(bar):
-  """While `bar` is shown, absl's log lines are written through tqdm, above the bar
-  (not over it)."""
-  handler = logging.get_absl_handler().python_handler
+  """While a bar is shown, log lines go through tqdm, above the bar (not over it).
+
+  Args:
+    bar: the bar, or None (nothing changes).
+
+  Yields:
+    Nothing; the redirection lasts the `with` block.
+  """
   if bar is None:
     yield
     return
   from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  stream = handler.stream
+  root, absl_handler = std_logging.getLogger(), logging.get_absl_handler()
 
-  class _AboveTheBar:
-    def write(self, text):
-      if text.strip():
-        tqdm.write(text.rstrip("\n"), file=stream)
+  class AboveTheBar(std_logging.Handler):
+    def emit(self, record):
+      tqdm.write(self.format(record), file=sys.stderr)
 
-    def flush(self):
-      stream.flush()
-
-  handler.stream = _AboveTheBar()
+  handler = AboveTheBar()
+  handler.setFormatter(logging.PythonFormatter())
+  had_absl = absl_handler in root.handlers
+  root.removeHandler(absl_handler)
+  root.addHandler(handler)
   try:
     yield
   finally:
-    handler.stream = stream
+    root.removeHandler(handler)
+    if had_absl:
+      root.addHandler(absl_handler)

@@ -21,6 +21,10 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# Launchers started by tests run as started: the restart for huge pages has its own
+# test (test_engine.py::test_use_huge_pages_restarts_once_with_the_tunable) and would
+# add a second interpreter start to every other one.
+os.environ.setdefault("MEGATRAIN_HUGE_PAGES", "0")
 
 TINY = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                    d_ff=64, max_seq_len=32)

@@ -77,3 +77,25 @@ def test_the_private_check_sees_one():
     assert private_accesses(os.path.relpath(f.name, REPO)) == [(2, "trainer._stream")]
   finally:
     os.remove(f.name)
+
+
+def test_modules_stay_small_and_the_trainer_a_facade():
+  import os
+  from import_graph import REPO
+  lines = {p: sum(1 for _ in open(os.path.join(REPO, p), encoding="utf-8"))
+           for p in py_files(PKG)}
+  assert all(n <= 500 for n in lines.values()), {p: n for p, n in lines.items() if n > 500}
+  assert lines[f"{PKG}/engine/trainer.py"] <= 350
+
+
+def test_the_lazy_submodules_load_in_a_fresh_interpreter():
+  import subprocess
+  import sys
+  code = ("import megatrain_jax as mt, sys; "
+          "assert 'megatrain_jax.checkpoint' not in sys.modules; "
+          "print(mt.hf.from_pretrained.__name__, mt.checkpoint.CheckpointManager.__name__, "
+          "mt.planner.plan.__name__)")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.split() == ["from_pretrained", "CheckpointManager", "plan"]

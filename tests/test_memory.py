@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import megatrain_jax as mt
-from megatrain_jax.engine import memory
+from megatrain_jax.engine import memory, preflight
 from megatrain_jax.engine import transport as transport_lib
 
 from conftest import TINY, random_batch
@@ -48,7 +48,7 @@ def test_the_ledger_never_passes_the_model(name):
   assert measured <= predicted
   if slow:  # the worst case the model assumes happens: the bound is tight
     assert measured >= 0.75 * predicted, (measured, predicted)
-  assert eng.estimate_device_bytes(4, 16)["total"] >= predicted
+  assert memory.device_bytes(cfg, ec, 4, 16)["total"] >= predicted
 
 
 def test_start_buffers_stay_within_the_peak_without_them():
@@ -70,11 +70,9 @@ def test_start_buffers_stay_within_the_peak_without_them():
 def test_the_budget_check_and_the_preflight_use_the_same_numbers():
   ec = mt.EngineConfig()
   need = memory.device_bytes(CFG, ec, 4, 16)
-  with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
-    assert eng.estimate_device_bytes(4, 16) == need
   tight = mt.EngineConfig(device_budget_bytes=need["total"] - 1)
   with pytest.raises(ValueError, match=r"needs about .* over the device limit"):
-    memory.check_fits(CFG, optax.sgd(0.1), tight, 4, 16)
+    preflight.check_fits(CFG, optax.sgd(0.1), tight, 4, 16)
   with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.1), tight, jax.random.key(0)) as eng:
     with pytest.raises(ValueError, match=r"needs about .* over the device limit"):
       eng.step(random_batch(CFG, 4, 16))

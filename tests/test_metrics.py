@@ -11,7 +11,7 @@ from megatrain_jax import bench, metrics
 from megatrain_jax.bench import host_memory as bench_memory
 from megatrain_jax.bench import host_optimizer as bench_opt
 from megatrain_jax.bench import link, steps, timing
-from megatrain_jax.engine import host_optimizer
+from megatrain_jax.engine import host_adamw
 from megatrain_jax.models.config import preset
 from conftest import TINY
 
@@ -42,7 +42,7 @@ def test_host_opt_ratio_formula(monkeypatch):
   out = bench_opt.host_optimizer_bandwidth(bench.Suite(opt_params=1024, host_chunk=256))
   # The engine's update: one part per thread, each a whole number of the suite's chunks.
   parts, _ = ran["opt"]
-  assert len(parts) == min(host_optimizer.host_threads(), 4)
+  assert len(parts) == min(host_adamw.host_threads(), 4)
   assert all(p.shape[0] % 256 == 0 for p in parts)
   # (28 B x n / 2 s) / (12 B x n / 1 s)
   assert out["host_opt_bw_ratio"] == pytest.approx(28 / 2 / 12)

@@ -12,7 +12,8 @@ import pytest
 import megatrain_jax as mt
 from megatrain_jax import figures, planner
 from megatrain_jax import train as train_lib
-from megatrain_jax.bench.timing import median_times, synthetic_batch
+from megatrain_jax.bench import planner as bench_planner
+from megatrain_jax.bench.timing import synthetic_batch
 from megatrain_jax.engine import memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -68,27 +69,19 @@ def test_largest_batch_is_the_edge_of_the_device():
   assert planner.device_total(cfg, ec, b + 2, 2048)["total"] > hw.device_bytes
 
 
-CONFIGS = [
-    (mt.LlamaConfig(vocab_size=260, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
-                    d_ff=384, max_seq_len=512), 8, 128),
-    (mt.LlamaConfig(vocab_size=1024, d_model=256, n_layers=8, n_heads=8, n_kv_heads=4,
-                    d_ff=768, max_seq_len=512), 4, 256),
-    (mt.LlamaConfig(vocab_size=512, d_model=384, n_layers=3, n_heads=6, n_kv_heads=6,
-                    d_ff=1024, max_seq_len=512), 2, 512),
-]
-
-
-def test_prediction_matches_the_engine_on_this_machine():
-  """measured profile: step time within 30%, device peak within 15%, three shapes."""
-  for cfg, b, t in CONFIGS:
-    hw = planner.measure_hardware(quick=True, widths=(cfg.d_model,), batch_size=b, seq_len=t)
+def test_predicted_device_peak_matches_the_engine_on_this_machine():
+  """The plan's device peak against the engine's ledger (within 15%), three shapes.
+  (Its step time against a measured step is the benchmark's `planner` part: a timed
+  comparison has no place in a unit test.)"""
+  hw = planner.PROFILES["h100_pcie"]
+  for cfg, b, t in bench_planner.CONFIGS:
     ec = mt.EngineConfig()
     p = planner.plan(cfg, ADAMW, ec, hw, b, t)
     with mt.StreamingTrainer.from_config(cfg, ADAMW, ec, jax.random.key(0)) as eng:
       batch = synthetic_batch(cfg, b, t)
-      measured = median_times({"step": lambda: eng.step(batch)}, 1, 4)["step"]
+      for _ in range(2):
+        eng.step(batch)
       peak = eng.stats()["device_peak_bytes"]
-    assert 0.7 <= p.step_s / measured <= 1.3, (cfg, p.step_s, measured, p.times)
     assert 0.85 <= p.device_peak / peak <= 1.15, (cfg, p.device_peak, peak)
 
 

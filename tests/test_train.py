@@ -93,3 +93,25 @@ def test_launcher_input_error_is_the_message_alone(tmp_path):
 def test_launcher_flag_misuse_still_shows_the_flags(tmp_path):
   r = _run(f"--workdir={tmp_path}", "--prefetch_depth=many")
   assert r.returncode != 0 and "prefetch_depth" in r.stderr
+
+
+def test_logs_go_above_a_progress_bar_and_plain_elsewhere(monkeypatch):
+  import tqdm
+  from absl import logging
+
+  class Bar:  # what logs_around needs of a tqdm bar: it is shown
+    pass
+
+  written = []
+  monkeypatch.setattr(tqdm.tqdm, "write",
+                      staticmethod(lambda text, file=None: written.append(text)))
+  with train_lib.logs_around(Bar()):
+    logging.warning("above the bar")
+  assert len(written) == 1 and written[0].endswith("above the bar")
+  assert written[0].startswith("W") and "\n" not in written[0]  # absl's format
+  import logging as std_logging
+  assert not any(type(h).__name__ == "AboveTheBar" for h in std_logging.getLogger().handlers)
+  with train_lib.logs_around(None):  # no bar: nothing changes
+    logging.warning("plain")
+  assert len(written) == 1
+  assert train_lib.progress_bar(10, 0) is None  # pytest's output is not a terminal

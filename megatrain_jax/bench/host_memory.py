@@ -20,14 +20,31 @@ from megatrain_jax.optim import adamw
 
 
 def rss_bytes() -> int:
-  """This process's resident memory now."""
+  """This process's resident memory now.
+
+  Returns:
+    Resident bytes, from /proc/self/statm.
+  """
   with open("/proc/self/statm") as f:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
                       ) -> dict[str, Any]:
-  """Run in a fresh process: peak RSS of training `model_name`, per parameter."""
+  """Run in a fresh process: peak RSS of training `model_name`, per parameter.
+
+  Trains the preset on a synthetic batch of one 64-token sequence, in bf16, with
+  AdamW; the baseline is the resident memory once the backend is up.
+
+  Args:
+    model_name: the model preset.
+    steps: training steps taken.
+    stream_copy: the engine's `stream_copy` setting.
+
+  Returns:
+    {"host_bytes_per_param", "rss_model", "rss_param_count", "rss_peak_bytes",
+    "rss_baseline_bytes"}: the peak over the baseline per parameter, and its parts.
+  """
   cfg = preset(model_name)
   batch = synthetic_batch(cfg, 1, 64)
   jax.block_until_ready(jnp.zeros(1) + 1)  # backend up before the baseline
@@ -43,6 +60,18 @@ def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
 
 
 def host_memory_run(model_name: str, stream_copy: str) -> dict[str, Any]:
+  """Runs `host_memory_child` in a fresh Python process and reads back its figures.
+
+  Args:
+    model_name: the model preset.
+    stream_copy: the engine's `stream_copy` setting.
+
+  Returns:
+    The child's figures.
+
+  Raises:
+    RuntimeError: the child exits with an error or prints no result.
+  """
   code = ("import json; from megatrain_jax.bench import host_memory as m; "
           "print('RESULT ' + json.dumps(m.host_memory_child("
           f"{model_name!r}, stream_copy={stream_copy!r})))")
@@ -56,7 +85,15 @@ def host_memory_run(model_name: str, stream_copy: str) -> dict[str, Any]:
 def host_memory(s: Suite) -> dict[str, Any]:
   """Host bytes per parameter with the engine's defaults (on the CPU backend each
   fetch casts the master), and with the compute-dtype copies kept, as the default
-  does on an accelerator."""
+  does on an accelerator.
+
+  Args:
+    s: the sizes (its `rss_model`).
+
+  Returns:
+    The figures of `host_memory_child` with the defaults, plus
+    "host_bytes_per_param_kept_copies".
+  """
   out = host_memory_run(s.rss_model, "auto")
   out["host_bytes_per_param_kept_copies"] = host_memory_run(
       s.rss_model, "keep")["host_bytes_per_param"]

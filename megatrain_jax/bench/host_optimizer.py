@@ -17,7 +17,18 @@ from megatrain_jax.optim import adamw, fused_adamw_update
 
 
 def host_optimizer_bandwidth(s: Suite) -> dict[str, Any]:
-  """Host AdamW bytes/s against a donated triad's, both jitted on the CPU backend."""
+  """Host AdamW bytes/s against a donated triad's, both jitted on the CPU backend.
+
+  Times the optimizer alone, the engine's whole per-unit update (its streaming copy
+  included) and the triad, on `s.opt_params` elements each.
+
+  Args:
+    s: the sizes.
+
+  Returns:
+    The bandwidth ratios of the optimizer and of the whole update to the triad, both
+    bandwidths in GB/s, and the parameter count.
+  """
   n = s.opt_params
   opt = HostOptimizer.of_buffers(adamw(1e-4), [host_normal(n, 0)], mode="per_unit",
                                  chunk=s.host_chunk)
@@ -49,7 +60,15 @@ def host_optimizer_bandwidth(s: Suite) -> dict[str, Any]:
 
 def loop_fusions(compiled_hlo: str, n: int) -> int:
   """Fusions in the entry computation of `compiled_hlo` that write an array of n
-  elements: on the CPU backend each is one pass over that array's memory."""
+  elements: on the CPU backend each is one pass over that array's memory.
+
+  Args:
+    compiled_hlo: the text of a compiled computation.
+    n: the array's element count.
+
+  Returns:
+    The number of such fusions.
+  """
   entry = compiled_hlo[compiled_hlo.index("\nENTRY"):]
   shapes = re.findall(r"= \w+\[([\d,]*)\]\S* fusion\(", entry)
   return sum(1 for dims in shapes
@@ -65,7 +84,19 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
   over (no DRAM traffic: the arithmetic's own ceiling); and the engine's in-place,
   chunked update on a single thread (`host_opt_bw_ratio` runs it on one thread per
   CPU). Also the number of passes XLA makes over a buffer, and the bytes per
-  parameter the fused update moves if it runs at the triad's bandwidth."""
+  parameter the fused update moves if it runs at the triad's bandwidth.
+
+  Args:
+    s: the sizes (`opt_params`, `opt_slab`, `host_chunk`, `warmup`, `reps`).
+
+  Returns:
+    The "host_opt_profile_*" figures: the passes, the bytes per parameter at the
+    triad's bandwidth, each variant's bandwidth ratio to the triad, the slab size and
+    the triad's GB/s.
+
+  Raises:
+    ValueError: `s.opt_slab` is not between 1 and `s.opt_params`.
+  """
   n, slab = s.opt_params, s.opt_slab
   if not 0 < slab <= n:
     raise ValueError(f"opt_slab={slab} must be between 1 and opt_params={n}.")

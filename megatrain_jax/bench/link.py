@@ -18,7 +18,18 @@ from megatrain_jax.optim import adamw
 
 def layer_backward_time(cfg: LlamaConfig, batch_size: int, seq_len: int, warmup: int,
                         reps: int) -> float:
-  """Median time of one block's backward (vjp with its forward recomputed), jitted."""
+  """Median time of one block's backward (vjp with its forward recomputed), jitted.
+
+  Args:
+    cfg: the model (its block).
+    batch_size: sequences.
+    seq_len: tokens per sequence.
+    warmup: untimed calls first.
+    reps: timed calls.
+
+  Returns:
+    Median seconds of one call.
+  """
   p = llama.init_block(cfg, jax.random.key(0))
   x = jax.random.normal(jax.random.key(1), (batch_size, seq_len, cfg.d_model))
 
@@ -37,6 +48,14 @@ def link_ratios(s: Suite) -> dict[str, Any]:
   compute, the longest per-layer phase (the forward is about a third of it). Then a
   step moves 2 x L layers, so total transfer exceeds total compute, and perfect
   overlap would make the step as long as the transfers.
+
+  Args:
+    s: the sizes.
+
+  Returns:
+    The overlap efficiency with the default prefetch and with one more buffer in
+    flight, the no-prefetch over prefetch step-time ratio, and the link's speed and
+    the times behind them.
   """
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
   model = lambda: Llama(cfg, rngs=nnx.Rngs(0))

@@ -8,23 +8,28 @@ from typing import Any, Callable
 
 from absl import logging
 
-from megatrain_jax.bench import host_memory, host_optimizer, link, steps
+from megatrain_jax.bench import host_memory, host_optimizer, link, planner, steps
 from megatrain_jax.bench.suite import Suite, machine
 
 
 def parts() -> dict[str, Callable[[Suite], dict[str, Any]]]:
-  """Every part of the suite by name."""
+  """Every part of the suite by name.
+
+  Returns:
+    Part name -> its function, which takes the sizes and returns its figures.
+  """
   return {"steps": steps.step_ratios, "link": link.link_ratios,
           "host_optimizer": host_optimizer.host_optimizer_bandwidth,
           "host_memory": host_memory.host_memory, "templates": steps.template_times,
-          "host_optimizer_profile": host_optimizer.host_optimizer_profile}
+          "host_optimizer_profile": host_optimizer.host_optimizer_profile,
+          "planner": planner.planner_accuracy}
 
 
-# The parts behind the goals; "templates" and "host_optimizer_profile" are
-# profiles, run on request.
+# The parts behind the goals; "templates", "host_optimizer_profile" and "planner"
+# (the plan's step time against a measured one) run on request.
 DEFAULT_PARTS = ("steps", "link", "host_optimizer", "host_memory")
 PART_NAMES = ("steps", "link", "host_optimizer", "host_memory", "templates",
-              "host_optimizer_profile")
+              "host_optimizer_profile", "planner")
 
 
 def run_suite(s: Suite, names: tuple[str, ...] = DEFAULT_PARTS,

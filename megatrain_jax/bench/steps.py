@@ -18,7 +18,15 @@ from megatrain_jax.resident import ResidentTrainer
 
 
 def step_ratios(s: Suite) -> dict[str, Any]:
-  """Streaming vs resident step time on a model that fits, fp32."""
+  """Streaming vs resident step time on a model that fits, fp32.
+
+  Args:
+    s: the sizes.
+
+  Returns:
+    The streaming step time over the resident one's (with and without remat), the
+    three step times, throughput, and the streaming engine's memory and traffic.
+  """
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
   opt = lambda: optax.adamw(1e-4)
   model = lambda: Llama(cfg, rngs=nnx.Rngs(0))
@@ -53,13 +61,22 @@ def template_times(s: Suite) -> dict[str, Any]:
   """What the per-layer calls cost by themselves: the streaming templates called one
   after another on units already on the device (no engine threads, transfers or
   updates) against the resident remat step, and each block template's XLA scratch
-  (allocated afresh by every call on the CPU backend)."""
+  (allocated afresh by every call on the CPU backend).
+
+  Args:
+    s: the sizes.
+
+  Returns:
+    The templates' time, the remat step's time and their ratio, and the block
+    templates' scratch bytes (None where XLA does not say).
+  """
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
   remat = ResidentTrainer(Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-4), remat=True)
   with StreamingTrainer(Llama(cfg, rngs=nnx.Rngs(0)), adamw(1e-4), EngineConfig()) as eng:
     n, tpl, tp = cfg.n_layers, eng.templates, eng.transport
     ids, labels, mask = (tp.to_device(batch[k]) for k in ("input_ids", "labels", "loss_mask"))
-    units = [eng.unit_on_device(u) for u in range(n + 2)]
+    host_opt = eng.host_optimizer
+    units = [tp.h2d_cast(host_opt.parts[u], host_opt.compute_dtype) for u in range(n + 2)]
     tied = units[0] if cfg.tie_embeddings else None
     scale = jnp.float32(1.0 / batch["loss_mask"].sum())
 

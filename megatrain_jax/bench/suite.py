@@ -43,7 +43,12 @@ class Suite:
 
 
 def machine() -> dict[str, Any]:
-  """The machine and software a result was measured on."""
+  """The machine and software a result was measured on.
+
+  Returns:
+    The first device's platform and kind, CPU count, Python and JAX versions, the
+    architecture, the transparent huge pages mode and GLIBC_TUNABLES.
+  """
   d = jax.devices()[0]
   return {"platform": d.platform, "device": str(d.device_kind), "cpus": os.cpu_count(),
           "python": platform.python_version(), "jax": jax.__version__,

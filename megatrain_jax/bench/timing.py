@@ -63,7 +63,15 @@ def median_times(fns: dict[str, Callable[[], Any]], warmup: int, reps: int
 
 
 def median_time(fn: Callable[[], Any], reps: int) -> float:
-  """Median seconds of `fn` over `reps` calls after one untimed call."""
+  """Median seconds of `fn` over `reps` calls after one untimed call.
+
+  Args:
+    fn: the call to time (its result is waited for).
+    reps: timed calls.
+
+  Returns:
+    Median seconds.
+  """
   return median_times({"fn": fn}, 1, reps)["fn"]
 
 
@@ -105,13 +113,25 @@ def _normal_fill(size: int) -> Callable:
 def host_normal(size: int, seed: int) -> jax.Array:
   """`size` fp32 normals on the CPU backend, in a buffer XLA made itself (a numpy
   source may be aliased, and an aliased buffer cannot be donated, which would time
-  page faults instead of bandwidth)."""
+  page faults instead of bandwidth).
+
+  Args:
+    size: elements.
+    seed: the random key's seed.
+
+  Returns:
+    The buffer, on the CPU backend.
+  """
   return _normal_fill(size)(jax.random.key(seed))
 
 
 def donated_triad() -> Callable:
   """The reference for host bandwidth: `a = b + s*c`, jitted, with b donated, so it
-  is written in place (TRIAD_BYTES_PER_ELEMENT per element)."""
+  is written in place (TRIAD_BYTES_PER_ELEMENT per element).
+
+  Returns:
+    The jitted function of (b, c).
+  """
   return jax.jit(lambda b, c: b + jnp.float32(0.5) * c, donate_argnums=(0,))
 
 

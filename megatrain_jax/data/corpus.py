@@ -14,7 +14,11 @@ TEXT_SUFFIXES = (".txt", ".md", ".py", ".rst")
 
 
 def stdlib_files() -> list[str]:
-  """The Python standard library's own .py files, sorted: text on every machine."""
+  """The Python standard library's own .py files, sorted: text on every machine.
+
+  Returns:
+    The file paths, walked in sorted order, skipping site-packages and caches.
+  """
   root = sysconfig.get_paths()["stdlib"]
   files = []
   for dirpath, dirnames, filenames in os.walk(root):
@@ -64,6 +68,20 @@ def read_documents(paths: Sequence[str] | str, max_bytes: int | None = None,
   A JSONL file gives one document per line's "text"; any other file is one
   document. `jsonl=None` decides by the `.jsonl` suffix, True/False forces it.
   Reading stops once `max_bytes` of text are collected.
+
+  Args:
+    paths: files, directories (searched for text and .jsonl files), or "stdlib"; a
+      string may list several, comma-separated.
+    max_bytes: stop once this many characters are read; None reads everything.
+    jsonl: whether files are JSONL; None decides per file by the `.jsonl` suffix.
+
+  Returns:
+    The non-empty documents, in path order.
+
+  Raises:
+    ValueError: no path given, the paths hold no text, a directory holds no text
+      files, or a JSONL line is not valid JSON or lacks a string "text" field.
+    FileNotFoundError: a path does not exist.
   """
   if isinstance(paths, str):
     paths = [p for p in paths.split(",") if p.strip()]

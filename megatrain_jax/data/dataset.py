@@ -14,6 +14,17 @@ def pack(docs: Sequence[str], seq_len: int, tokenizer=None) -> np.ndarray:
   """Concatenates documents (each ended by EOS) and cuts [N, seq_len + 1] windows.
 
   Consecutive windows share one token, so every token is a label exactly once.
+
+  Args:
+    docs: the documents, in order.
+    seq_len: tokens a sequence trains on; each window holds one more.
+    tokenizer: encodes the documents; None uses `ByteTokenizer`.
+
+  Returns:
+    The [N, seq_len + 1] int32 windows; a trailing partial window is dropped.
+
+  Raises:
+    ValueError: `seq_len` is not positive, or the data is shorter than one window.
   """
   if seq_len <= 0:
     raise ValueError(f"seq_len must be positive, got {seq_len}.")
@@ -67,6 +78,12 @@ class PackedDataset:
     return np.random.default_rng([self.seed, epoch]).permutation(len(self.windows))
 
   def next_batch(self) -> dict[str, np.ndarray]:
+    """The batch at `position`, which it then advances (into the next epoch if due).
+
+    Returns:
+      "input_ids" and "labels" (int32, [batch_size, T]) and "loss_mask" (float32),
+      the labels being the inputs shifted by one.
+    """
     pos = self.position
     if pos.index >= self.batches_per_epoch:
       pos.epoch, pos.index = pos.epoch + 1, 0

@@ -93,7 +93,19 @@ def _sharegpt(where: str, r: Any) -> list[Message]:
 
 
 def read_conversations(paths: Sequence[str] | str, fmt: str) -> list[list[Message]]:
-  """Conversations from alpaca or sharegpt files (JSON list or JSONL)."""
+  """Conversations from alpaca or sharegpt files (JSON list or JSONL).
+
+  Args:
+    paths: the files; a string may list several, comma-separated.
+    fmt: the record format, one of `INSTRUCT_FORMATS`.
+
+  Returns:
+    One list of {"role", "content"} messages per record, in file order.
+
+  Raises:
+    ValueError: an unknown `fmt`, a file that is not valid JSON, a malformed record
+      (or a sharegpt one with no assistant turn), or no records at all.
+  """
   if fmt not in INSTRUCT_FORMATS:
     raise ValueError(f"Instruction format {fmt!r} is not one of {INSTRUCT_FORMATS}.")
   if isinstance(paths, str):
@@ -117,6 +129,17 @@ def encode_conversation(tokenizer, messages: Sequence[Message]
   including it adds to rendering it up to that turn with a generation prompt; the
   template must render every prefix of a conversation as a prefix of the whole.
   Without a chat template each assistant turn ends with the EOS token.
+
+  Args:
+    tokenizer: encodes and renders the conversation (`render_chat`).
+    messages: the conversation, {"role", "content"} per message.
+
+  Returns:
+    (token ids, loss mask), of equal length.
+
+  Raises:
+    ValueError: the chat template does not render prefixes of the conversation as
+      prefixes of the whole.
   """
   ids: list[int] = []
   mask: list[float] = []
@@ -151,7 +174,21 @@ def build_sequences(conversations: Sequence[Sequence[Message]], tokenizer, seq_l
   """(tokens [N, seq_len + 1], mask [N, seq_len + 1]): one conversation per row,
   padded with the tokenizer's pad id (mask 0). A conversation longer than a row is
   truncated or dropped (`overlong`); one left with no trained token is dropped.
-  Both counts are logged."""
+  Both counts are logged.
+
+  Args:
+    conversations: the conversations, as from `read_conversations`.
+    tokenizer: encodes and renders them; gives the pad id.
+    seq_len: tokens a sequence trains on; each row holds one more.
+    overlong: what to do with a conversation longer than a row, one of `OVERLONG`.
+
+  Returns:
+    The int32 token rows and their float32 loss masks, both [N, seq_len + 1].
+
+  Raises:
+    ValueError: an unknown `overlong`, a chat template `encode_conversation` cannot
+      use, or no conversation left to train on.
+  """
   if overlong not in OVERLONG:
     raise ValueError(f"overlong={overlong!r} is not one of {OVERLONG}.")
   n = seq_len + 1

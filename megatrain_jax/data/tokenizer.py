@@ -16,7 +16,15 @@ Message = dict[str, str]
 
 
 def render_builtin_chat(messages: Sequence[Message], add_generation_prompt: bool) -> str:
-  """`<|role|>\\ncontent\\n` per message; a generation prompt is `<|assistant|>\\n`."""
+  """`<|role|>\\ncontent\\n` per message; a generation prompt is `<|assistant|>\\n`.
+
+  Args:
+    messages: the conversation, {"role", "content"} per message.
+    add_generation_prompt: whether to end with the prompt for an assistant turn.
+
+  Returns:
+    The conversation as text.
+  """
   out = "".join(f"<|{m['role']}|>\n{m['content']}\n" for m in messages)
   return out + ("<|assistant|>\n" if add_generation_prompt else "")
 
@@ -32,6 +40,16 @@ class ByteTokenizer:
   chat_template = None
 
   def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """The UTF-8 bytes of `text` as token ids.
+
+    Args:
+      text: the text.
+      add_bos: whether to put BOS first.
+      add_eos: whether to put EOS last.
+
+    Returns:
+      The token ids.
+    """
     ids = list(text.encode("utf-8"))
     if add_bos:
       ids.insert(0, self.BOS)
@@ -40,11 +58,27 @@ class ByteTokenizer:
     return ids
 
   def decode(self, ids: Iterable[int]) -> str:
-    """Bytes back to text; special ids are dropped, invalid UTF-8 is replaced."""
+    """Bytes back to text; special ids are dropped, invalid UTF-8 is replaced.
+
+    Args:
+      ids: the token ids.
+
+    Returns:
+      The text.
+    """
     data = bytes(int(i) for i in ids if 0 <= int(i) < 256)
     return data.decode("utf-8", errors="replace")
 
   def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    """A conversation as text, in the built-in template (`render_builtin_chat`).
+
+    Args:
+      messages: the conversation, {"role", "content"} per message.
+      add_generation_prompt: whether to end with the prompt for an assistant turn.
+
+    Returns:
+      The conversation as text.
+    """
     return render_builtin_chat(messages, add_generation_prompt)
 
 
@@ -96,6 +130,16 @@ class HFTokenizer:
     return None if token is None else self._tok.token_to_id(token)
 
   def encode(self, text: str, add_bos: bool = False, add_eos: bool = False) -> list[int]:
+    """Token ids of `text`, without the tokenizer's own special tokens.
+
+    Args:
+      text: the text.
+      add_bos: whether to put BOS first (when the tokenizer has one).
+      add_eos: whether to put EOS last.
+
+    Returns:
+      The token ids.
+    """
     ids = self._tok.encode(text, add_special_tokens=False).ids
     if add_bos and self.bos_id is not None:
       ids.insert(0, self.bos_id)
@@ -104,13 +148,40 @@ class HFTokenizer:
     return ids
 
   def id_to_token(self, i: int) -> str | None:
-    """The token string of id i (None when the vocabulary has no such id)."""
+    """The token string of id i (None when the vocabulary has no such id).
+
+    Args:
+      i: the token id.
+
+    Returns:
+      The token string, or None.
+    """
     return self._tok.id_to_token(int(i))
 
   def decode(self, ids: Iterable[int]) -> str:
+    """Token ids back to text, special tokens skipped.
+
+    Args:
+      ids: the token ids.
+
+    Returns:
+      The text.
+    """
     return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
   def render_chat(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+    """A conversation as text, in the chat template (built-in when there is none).
+
+    Args:
+      messages: the conversation, {"role", "content"} per message.
+      add_generation_prompt: whether to end with the prompt for an assistant turn.
+
+    Returns:
+      The conversation as text.
+
+    Raises:
+      ValueError: the template refuses the conversation (its `raise_exception`).
+    """
     if self.chat_template is None:
       return render_builtin_chat(messages, add_generation_prompt)
     if self._compiled is None:

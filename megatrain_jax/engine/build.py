@@ -10,7 +10,7 @@ import optax
 from absl import logging
 from flax import nnx
 
-from megatrain_jax.engine import host_memory, memory
+from megatrain_jax.engine import host_memory, memory, preflight
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.flat import FlatSpec
 from megatrain_jax.engine.host_optimizer import HostOptimizer
@@ -77,7 +77,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                  "waits for the whole backward. %s", resolution.reason, FAST_PATH)
   static = memory.static_device_bytes(cfg, ec)
   if ec.device_budget_bytes is not None and static > ec.device_budget_bytes:
-    raise memory.device_budget_error("Holding the parameters in flight alone", {"total": static},
+    raise preflight.device_budget_error("Holding the parameters in flight alone", {"total": static},
                                      ec.device_budget_bytes, unit=2**20)
   specs, masters = [], []
   for u, tree in enumerate(unit_trees):

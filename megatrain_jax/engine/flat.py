@@ -32,23 +32,52 @@ class FlatSpec:
     return hash((self.treedef, tuple(self.shapes)))
 
   def flatten(self, tree: Any) -> jax.Array:
-    """Tree -> flat vector (traceable)."""
+    """Tree -> flat vector (traceable).
+
+    Args:
+      tree: a tree of this layout.
+
+    Returns:
+      Its leaves raveled and concatenated in `jax.tree` order.
+    """
     leaves = self.treedef.flatten_up_to(tree)
     return jnp.concatenate([jnp.reshape(x, (-1,)) for x in leaves])
 
   def flatten_np(self, tree: Any, dtype=np.float32) -> np.ndarray:
-    """Tree -> flat host vector, copying each leaf once into a fresh buffer."""
+    """Tree -> flat host vector, copying each leaf once into a fresh buffer.
+
+    Args:
+      tree: a tree of this layout (numpy or host arrays).
+      dtype: the vector's dtype.
+
+    Returns:
+      A new numpy vector of `size` elements.
+    """
     out = np.empty((self.size,), dtype)
     for leaf, off, n in zip(self.treedef.flatten_up_to(tree), self.offsets, self.sizes):
       out[off:off + n] = np.asarray(leaf, dtype).reshape(-1)
     return out
 
   def abstract(self, dtype=jnp.float32) -> Any:
-    """The unit's tree of `jax.ShapeDtypeStruct`s (for eval_shape; no memory)."""
+    """The unit's tree of `jax.ShapeDtypeStruct`s (for eval_shape; no memory).
+
+    Args:
+      dtype: every leaf's dtype.
+
+    Returns:
+      The abstract tree.
+    """
     return self.treedef.unflatten([jax.ShapeDtypeStruct(s, dtype) for s in self.shapes])
 
   def unflatten(self, flat: Any) -> Any:
-    """Flat vector -> tree (traceable; numpy in gives numpy views)."""
+    """Flat vector -> tree (traceable; numpy in gives numpy views).
+
+    Args:
+      flat: a vector of `size` elements.
+
+    Returns:
+      The tree, each leaf a reshaped slice of `flat`.
+    """
     leaves = [flat[off:off + n].reshape(shape)
               for off, n, shape in zip(self.offsets, self.sizes, self.shapes)]
     return self.treedef.unflatten(leaves)

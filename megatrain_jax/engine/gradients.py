@@ -61,25 +61,49 @@ class UpdateClock:
     self._cond = threading.Condition()
 
   def ready(self, u: int, step: int) -> bool:
-    """Whether unit u's copy is the one step `step` computes with."""
+    """Whether a unit's copy is the one a step computes with.
+
+    Args:
+      u: the unit.
+      step: the step.
+
+    Returns:
+      True once the unit's update of the step before is done.
+    """
     return self._done[u] >= step - 1
 
   def mark(self, units, step: int) -> None:
-    """Units whose update for `step` is done."""
+    """Records updates as done (applied or refused).
+
+    Args:
+      units: unit indices.
+      step: the step whose update of them is done.
+    """
     with self._cond:
       for u in units:
         self._done[u] = max(self._done[u], step)
       self._cond.notify_all()
 
   def reset(self, step: int) -> None:
-    """Every unit is as of `step` (after a restore)."""
+    """Sets every unit as of a step (after a restore).
+
+    Args:
+      step: the step.
+    """
     with self._cond:
       self._done = [step] * len(self._done)
       self._cond.notify_all()
 
   def wait(self, u: int, step: int, check: Callable[[], None],
            deadline: float | None = None, what: str = "") -> None:
-    """Blocks until `ready(u, step)`; `check()` raises when the engine stopped.
+    """Blocks until `ready(u, step)`.
+
+    Args:
+      u: the unit.
+      step: the step about to use it.
+      check: raises when the engine stopped (called while waiting).
+      deadline: `time.monotonic()` past which a caller gives up (None: never).
+      what: the unit's name for the message.
 
     Raises:
       TimeoutError: past `deadline` (a caller's wait; the threads give none).
@@ -124,20 +148,32 @@ class Worker:
           self._cond.notify_all()
 
   def check(self) -> None:
-    """Raises the first error the thread met, if any."""
+    """Raises the first error the thread met, if any.
+
+    Raises:
+      The thread's exception, as it was raised there.
+    """
     if self.error is not None:
       raise self.error
 
   def submit(self, job, timeout_s: float | None) -> None:
-    """Queues `job`, waiting while `max_pending` are queued (a caller gives a
-    timeout; a thread handing work to the next one gives None)."""
+    """Queues a job, waiting while `max_pending` are queued.
+
+    Args:
+      job: passed to the handler.
+      timeout_s: a caller's longest wait; None for a thread handing work to the next.
+    """
     self._wait_below(self.max_pending, timeout_s)
     with self._cond:
       self._pending += 1
     self._jobs.put(job)
 
   def wait(self, timeout_s: float | None) -> None:
-    """Blocks until every submitted job is done; raises the first error."""
+    """Blocks until every submitted job is done; raises the first error.
+
+    Args:
+      timeout_s: the longest wait (None: no limit).
+    """
     self._wait_below(1, timeout_s)
 
   def _wait_below(self, n: int, timeout_s: float | None) -> None:
@@ -190,7 +226,15 @@ class GradientPipeline:
 
   def send(self, u: int, grad: jax.Array, finite: jax.Array, last: bool,
            guard: StepGuard) -> None:
-    """Queues unit u's gradient (already in the ledger) for the link and the update."""
+    """Queues a unit's gradient (already in the ledger) for the link and the update.
+
+    Args:
+      u: the unit.
+      grad: its flat gradient on the device.
+      finite: the template's flag, whether it is all finite.
+      last: the step's last micro-batch.
+      guard: the step's guard.
+    """
     if self.grad_hook is not None:
       grad = self.grad_hook(u, grad)
       finite = jax.numpy.all(jax.numpy.isfinite(grad))
@@ -198,7 +242,11 @@ class GradientPipeline:
     self.to_host.submit(GradJob(u, grad, finite, last, guard), self.timeout_s)
 
   def update_all(self, step: int) -> None:
-    """Queues the update of every unit after a deferred sweep."""
+    """Queues the update of every unit after a deferred sweep.
+
+    Args:
+      step: the step being updated.
+    """
     self.optimizer.submit(UpdateAllJob(step), self.timeout_s)
 
   def check(self) -> None:
@@ -217,7 +265,11 @@ class GradientPipeline:
     self._finite_flags = [[] for _ in self.host_opt.specs]
 
   def close(self) -> BaseException | None:
-    """Lets queued jobs finish, stops both threads; returns the first error."""
+    """Lets queued jobs finish and stops both threads.
+
+    Returns:
+      The first error either thread met, or None.
+    """
     self.to_host.close()
     self.optimizer.close()
     return self.to_host.error or self.optimizer.error

@@ -39,7 +39,14 @@ OPT_OUT = "MEGATRAIN_HUGE_PAGES"  # set to 0 to keep the process as started
 
 
 def return_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
-  """Fixes glibc's mmap threshold (process-wide, once). False where not glibc."""
+  """Fixes glibc's mmap threshold (process-wide, once).
+
+  Args:
+    threshold_bytes: buffers larger than this are mapped (and unmapped when freed).
+
+  Returns:
+    Whether the threshold is set (False where the C library is not glibc).
+  """
   global _done
   if _done:
     return True
@@ -58,7 +65,14 @@ def return_freed_memory(threshold_bytes: int = 1 << 20) -> bool:
 
 
 def thp_mode(path: str = _THP_MODE_FILE) -> str | None:
-  """The kernel's transparent-huge-page mode: "always", "madvise", "never", or None."""
+  """The kernel's transparent-huge-page mode.
+
+  Args:
+    path: the sysfs file that holds it.
+
+  Returns:
+    "always", "madvise" or "never", or None when it cannot be read.
+  """
   try:
     with open(path, encoding="ascii") as f:
       m = re.search(r"\[(\w+)\]", f.read())
@@ -68,7 +82,11 @@ def thp_mode(path: str = _THP_MODE_FILE) -> str | None:
 
 
 def glibc_has_hugetlb() -> bool:
-  """Whether this is glibc 2.35 or later (it has the malloc huge-page tunable)."""
+  """Whether this is glibc 2.35 or later, which has the malloc huge-page tunable.
+
+  Returns:
+    The answer.
+  """
   name, version = platform.libc_ver()
   try:
     major, minor = (int(x) for x in version.split(".")[:2])
@@ -79,10 +97,17 @@ def glibc_has_hugetlb() -> bool:
 
 def huge_page_environ(environ: Mapping[str, str], mode: str | None
                       ) -> dict[str, str] | None:
-  """The environment to re-execute with so malloc asks for huge pages, or None
-  when that would change nothing: the kernel gives them to every mapping
-  ("always") or to none ("never"), the tunable is already set, or the caller
-  opted out with MEGATRAIN_HUGE_PAGES=0."""
+  """The environment to re-execute with so malloc asks for huge pages.
+
+  Args:
+    environ: the current environment.
+    mode: the kernel's transparent-huge-page mode (`thp_mode()`).
+
+  Returns:
+    A new environment, or None when re-executing would change nothing: the kernel
+    gives huge pages to every mapping ("always") or to none ("never"), the tunable
+    is already set, or the caller opted out with MEGATRAIN_HUGE_PAGES=0.
+  """
   tunables = environ.get("GLIBC_TUNABLES", "")
   if (mode != "madvise" or "glibc.malloc.hugetlb" in tunables
       or environ.get(OPT_OUT) == "0"):

@@ -9,17 +9,12 @@ unit as soon as its gradient is on the host, while the backward goes on. A
 transform that needs the whole tree (`clip_by_global_norm`, anything mixing
 leaves) must see every gradient first; `engine/probe.py` tells the two apart.
 
-`mt.optim.adamw` runs fused, and in parallel over parts: each unit's master and
-moments are held as one contiguous part per host thread, and each thread updates
-its part in place, a cache-sized chunk at a time, so p, m and v cross memory once.
-(XLA's CPU backend compiles the whole-buffer update into three passes over memory,
-and runs an in-place loop on one core; see docs/performance.md.)
+`mt.optim.adamw` runs fused, and in parallel over parts (`engine/host_adamw.py`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import os
 from typing import Any, Callable, Sequence
 
 import jax
@@ -29,73 +24,10 @@ import optax
 
 from megatrain_jax.engine.config import HOST_CHUNK
 from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.engine.host_adamw import chunked_adamw_update, host_threads, part_bounds
 from megatrain_jax.engine.probe import Resolution, resolve_mode
 from megatrain_jax.models.llama import assemble_units, split_units
-from megatrain_jax.optim import AdamWHyper, adamw_moments, adamw_params, adamw_scalars, \
-    clip_with_norm
-
-
-def host_threads() -> int:
-  """The CPUs this process may run on."""
-  try:
-    return len(os.sched_getaffinity(0))
-  except AttributeError:  # not Linux
-    return os.cpu_count() or 1
-
-
-def part_bounds(size: int, parts: int, chunk: int) -> list[tuple[int, int]]:
-  """[lo, hi) of up to `parts` contiguous parts of a `size`-element buffer, each a
-  whole number of chunks (the last one takes the remainder), none empty."""
-  full = size // chunk
-  k = max(1, min(parts, full))
-  cuts = [j * full // k * chunk for j in range(k)] + [size]
-  return list(zip(cuts[:-1], cuts[1:]))
-
-
-def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
-                         max_norm: float | None = None) -> Callable:
-  """The fused AdamW update of one part, in place, chunk by chunk.
-
-  Returns `update(part, state, grad, acc, norm) -> (part, state)`: `part` and
-  `state` (optax.adamw's state for `part`) are elements [lo, lo + part.size) of a
-  unit whose whole gradient is `grad` (plus the accumulated `acc`, when not None;
-  clipped by the global `norm`, when not None). Every element goes through optax's
-  operations, so for a given gradient the result is optax.adamw's, bit for bit, for
-  any `lo` and `chunk` (tests/test_host_optimizer.py; `adamw_params` says why it
-  is called `in_loop`).
-  """
-
-  def update(part, state, grad, acc, norm):
-    adam, decay, lr_state = state
-    s, lr_state = adamw_scalars(h, adam.count, lr_state)
-    at = lambda x, o, n: jax.lax.dynamic_slice(x, (o,), (n,))
-
-    def step(o, n, pmv):
-      p, mu, nu = pmv
-      g = at(grad, lo + o, n).astype(jnp.float32)
-      if acc is not None:
-        g = at(acc, lo + o, n) + g
-      if norm is not None:
-        g = clip_with_norm(g, norm, max_norm)
-      m, v = adamw_moments(h, g, at(mu, o, n), at(nu, o, n))
-      mu = jax.lax.dynamic_update_slice(mu, m, (o,))
-      nu = jax.lax.dynamic_update_slice(nu, v, (o,))
-      # The new moments are read back from their buffers: p's update then depends
-      # on the written buffers alone, so XLA updates all three in place.
-      new = adamw_params(h, at(p, o, n), at(mu, o, n), at(nu, o, n), s, in_loop=True)
-      return jax.lax.dynamic_update_slice(p, new, (o,)), mu, nu
-
-    size = part.shape[0]
-    full = size // chunk
-    pmv = (part, adam.mu, adam.nu)
-    if full:
-      pmv = jax.lax.fori_loop(0, full, lambda i, c: step(i * chunk, chunk, c), pmv)
-    if size % chunk:
-      pmv = step(full * chunk, size % chunk, pmv)
-    part, mu, nu = pmv
-    return part, (adam._replace(count=s.count, mu=mu, nu=nu), decay, lr_state)
-
-  return update
+from megatrain_jax.optim import clip_with_norm
 
 
 class HostOptimizer:
@@ -229,10 +161,22 @@ class HostOptimizer:
     return [parts[0] for parts in self.parts]
 
   def master(self, u: int) -> np.ndarray:
-    """A copy of unit u's flat fp32 master, its parts joined, as a numpy array."""
+    """A copy of a unit's flat fp32 master.
+
+    Args:
+      u: the unit.
+
+    Returns:
+      A numpy vector, its parts joined.
+    """
     return np.concatenate([np.asarray(p) for p in self.parts[u]])
 
   def master_bytes(self) -> int:
+    """Host bytes of every fp32 master.
+
+    Returns:
+      Their total.
+    """
     return sum(p.nbytes for parts in self.parts for p in parts)
 
   @property
@@ -241,6 +185,11 @@ class HostOptimizer:
     return self.mode in ("whole_tree", "clipped")
 
   def state_bytes(self) -> int:
+    """Host bytes of the optimizer state.
+
+    Returns:
+      Their total.
+    """
     states = self.states if self.mode != "whole_tree" else [self.state]
     return sum(x.nbytes for x in jax.tree.leaves(states) if hasattr(x, "nbytes"))
 
@@ -267,7 +216,12 @@ class HostOptimizer:
   # -- gradients -------------------------------------------------------------
 
   def accumulate(self, u: int, grad: jax.Array) -> None:
-    """acc[u] += grad (fp32, on the host, donated)."""
+    """Adds a gradient to a unit's fp32 accumulator on the host (donated).
+
+    Args:
+      u: the unit.
+      grad: its flat gradient, on the host.
+    """
     if self.accum[u] is None:
       self.accum[u] = self._jit("first", lambda g: g.astype(jnp.float32),
                                 out_shardings=self.host_sharding)(grad)
@@ -280,23 +234,38 @@ class HostOptimizer:
     self.accum = [None] * len(self.specs)
 
   def drop_gradient(self, u: int) -> None:
-    """Forgets unit u's accumulated gradient (its update was refused)."""
+    """Forgets a unit's accumulated gradient (its update was refused).
+
+    Args:
+      u: the unit.
+    """
     self.accum[u] = None
 
   def gradient(self, u: int) -> np.ndarray | None:
-    """A copy of unit u's accumulated fp32 gradient (None when there is none)."""
+    """A copy of a unit's accumulated fp32 gradient.
+
+    Args:
+      u: the unit.
+
+    Returns:
+      A numpy vector, or None when nothing is accumulated.
+    """
     return None if self.accum[u] is None else np.array(self.accum[u])
 
   def nonfinite_units(self) -> list[int]:
-    """Units whose accumulated gradient holds a NaN or an infinity."""
+    """Units whose accumulated gradient holds a NaN or an infinity.
+
+    Returns:
+      Their indices.
+    """
     check = self._jit("finite", lambda a: jnp.all(jnp.isfinite(a)))
     flags = [check(a) for a in self.accum]
     return [u for u, ok in enumerate(flags) if not bool(ok)]
 
   def update_unit(self, u: int, grad: jax.Array, stream: bool = True,
                   clip_norm: jax.Array | None = None) -> jax.Array | None:
-    """Per-unit update of unit u from `grad` plus its accumulated micro-batch
-    gradients; returns its new compute-dtype flat copy (None with `stream=False`).
+    """Per-unit update of a unit from a gradient plus its accumulated micro-batch
+    gradients.
 
     The fused AdamW update is done when this returns (its parts run on the update
     threads); other transforms are dispatched, not awaited.
@@ -305,6 +274,18 @@ class HostOptimizer:
     report it from the device): a check in here would need a select between the
     old and the new state, which measured 4x slower on the CPU backend than the
     donated, in-place update.
+    
+    Args:
+      u: the unit.
+      grad: its flat gradient of the step's last micro-batch, on the host.
+      stream: make its new compute-dtype copy.
+      clip_norm: the global gradient norm, in clipped mode.
+
+    Returns:
+      The new compute-dtype flat copy, or None with `stream=False`.
+
+    Raises:
+      ValueError: the gradient's shape is not the unit's flat shape.
     """
     if tuple(grad.shape) != (self.specs[u].size,):
       raise ValueError(f"The gradient of unit {u} has shape {tuple(grad.shape)}; its "
@@ -361,9 +342,18 @@ class HostOptimizer:
     self.parts[u], self.states[u] = (master,), [state]
 
   def stream_copy(self, u: int) -> jax.Array:
-    """The compute-dtype flat copy of unit u's master. A separate call: on the CPU
-    backend XLA runs a multi-output update about 2x slower than the update plus
-    this cast (measured: 157 ms against 68 + ~20 ms for 32M parameters)."""
+    """The compute-dtype flat copy of a unit's master.
+
+    A separate call: on the CPU backend XLA runs a multi-output update about 2x
+    slower than the update plus this cast (measured: 157 ms against 68 + ~20 ms for
+    32M parameters).
+
+    Args:
+      u: the unit.
+
+    Returns:
+      A new array in `stream_sharding` (or beside the master).
+    """
     cd, parts = self.compute_dtype, self.parts[u]
     return self._jit(("cast", tuple(p.shape for p in parts)),
                      lambda ps: jnp.concatenate(ps).astype(cd),
@@ -377,8 +367,18 @@ class HostOptimizer:
 
     Whole-tree mode runs one update over the whole tree; clipped mode computes the
     global norm, then updates each unit in unit order; per-unit mode (deferred to
-    check every gradient first) updates each unit. `on_unit(u, copy)` is called
-    as each unit's update is done (fused) or dispatched (otherwise).
+    check every gradient first) updates each unit.
+
+    Args:
+      stream: make the new compute-dtype copies.
+      on_unit: `on_unit(u, copy)`, called as each unit's update is done (fused) or
+        dispatched (otherwise).
+
+    Returns:
+      The new copies, in unit order (Nones with `stream=False`).
+
+    Raises:
+      RuntimeError: some unit has no accumulated gradient.
     """
     if any(a is None for a in self.accum):
       missing = [u for u, a in enumerate(self.accum) if a is None]
@@ -415,7 +415,11 @@ class HostOptimizer:
   # A checkpoint holds each unit whole: its parts and their states joined.
 
   def state_names(self) -> list[Any]:
-    """What a checkpoint holds: every unit, plus "optimizer" in whole-tree mode."""
+    """What a checkpoint holds.
+
+    Returns:
+      Every unit index, plus "optimizer" (the whole-tree state) in whole-tree mode.
+    """
     names: list[Any] = list(range(len(self.specs)))
     return names + ["optimizer"] if self.mode == "whole_tree" else names
 
@@ -425,7 +429,15 @@ class HostOptimizer:
     return [join(list(xs)) for xs in zip(*per_part)]
 
   def copy_state(self, name) -> dict[str, np.ndarray]:
-    """Host copies of one unit's master and optimizer state (or the whole-tree state)."""
+    """Host copies of one part of the state.
+
+    Args:
+      name: a unit index, or "optimizer".
+
+    Returns:
+      "master" and "state_NNN" arrays (the unit whole, its parts joined), or the
+      whole-tree state's leaves.
+    """
     if name == "optimizer":
       leaves = jax.tree.leaves(self.state)
       return {f"state_{i:03d}": np.array(x) for i, x in enumerate(leaves)}
@@ -438,7 +450,14 @@ class HostOptimizer:
     return out
 
   def state_layout(self, name) -> dict[str, tuple[tuple[int, ...], str]]:
-    """(shape, dtype) of each array `copy_state(name)` returns, without copying."""
+    """What `copy_state(name)` returns, without copying.
+
+    Args:
+      name: a unit index, or "optimizer".
+
+    Returns:
+      The (shape, dtype) of each array.
+    """
     if name == "optimizer":
       leaves = jax.tree.leaves(self.state)
       return {f"state_{i:03d}": (tuple(x.shape), str(x.dtype)) for i, x in enumerate(leaves)}
@@ -451,8 +470,12 @@ class HostOptimizer:
     return out
 
   def load_state(self, name, arrays: dict[str, np.ndarray]) -> None:
-    """Sets one unit's master and state (or the whole-tree state) from host arrays
-    laid out as `state_layout(name)` says (the caller checked that)."""
+    """Sets one part of the state from host arrays.
+
+    Args:
+      name: a unit index, or "optimizer".
+      arrays: laid out as `state_layout(name)` says (the caller checked that).
+    """
     put = lambda x: jax.device_put(np.asarray(x), self.host_sharding)
     if name == "optimizer":
       leaves, treedef = jax.tree.flatten(self.state)

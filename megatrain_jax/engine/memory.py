@@ -31,7 +31,14 @@ GiB = 2**30
 
 @functools.lru_cache(maxsize=256)
 def unit_trees(cfg: LlamaConfig) -> tuple[Any, ...]:
-  """Abstract parameter trees of [embed, one block, head] (ShapeDtypeStructs)."""
+  """The distinct unit structures' abstract trees, without allocating.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    ShapeDtypeStruct trees of the embedding, one block and the head.
+  """
   key = jax.random.key(0)
   return (jax.eval_shape(lambda: llama.init_embed(cfg, key)),
           jax.eval_shape(lambda: llama.init_block(cfg, key)),
@@ -53,31 +60,65 @@ def _sizes(cfg: LlamaConfig) -> tuple[int, ...]:
 
 
 def unit_sizes(cfg: LlamaConfig) -> list[int]:
-  """Parameters of every unit: embed, each block, head."""
+  """Parameters of every unit.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    One count per unit: embed, each block, head.
+  """
   return list(_sizes(cfg))
 
 
 def unit_param_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
-  """Bytes of each unit's compute-dtype copy (what a fetch moves)."""
+  """Bytes of each unit's compute-dtype copy (what a fetch moves).
+
+  Args:
+    cfg: the model.
+    ec: the engine config (its compute dtype).
+
+  Returns:
+    One size per unit, in unit order.
+  """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   return [cd * s for s in _sizes(cfg)]
 
 
 def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
-  """Bytes of each unit's gradient as it leaves the device: the compute dtype, but
-  fp32 for the embedding (its scatter-add is done in fp32)."""
+  """Bytes of each unit's gradient as it leaves the device.
+
+  Args:
+    cfg: the model.
+    ec: the engine config (its compute dtype).
+
+  Returns:
+    One size per unit: the compute dtype, but fp32 for the embedding (its
+    scatter-add is done in fp32).
+  """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   return [s * (4 if u == 0 else cd) for u, s in enumerate(_sizes(cfg))]
 
 
 def on_cpu_backend() -> bool:
-  """Whether the engine computes on the CPU backend (device memory is host RAM)."""
+  """Whether the engine computes on the CPU backend.
+
+  Returns:
+    True when the default device is a CPU (its device memory is host RAM).
+  """
   return jax.devices()[0].platform == "cpu"
 
 
 def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
-  """Whether a run keeps a compute-dtype copy of every unit in host memory
-  (`EngineConfig.stream_copy`; "auto" keeps it only on an accelerator)."""
+  """Whether a run keeps a compute-dtype copy of every unit in host memory.
+
+  Args:
+    ec: the engine config (`stream_copy`; "auto" keeps it only on an accelerator).
+    on_cpu: whether the run is on the CPU backend (default: this process's).
+
+  Returns:
+    The answer.
+  """
   if ec.stream_copy != "auto":
     return ec.stream_copy == "keep"
   return not (on_cpu_backend() if on_cpu is None else on_cpu)
@@ -334,8 +375,16 @@ def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
 
 
 def static_device_bytes(cfg: LlamaConfig, ec: EngineConfig) -> int:
-  """Device bytes any batch needs: the parameter buffers in flight and the resident
-  units (what a budget must hold before a single activation)."""
+  """Device bytes any batch needs, before a single activation.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+
+  Returns:
+    The parameter buffers in flight (slots x the largest streamed unit) plus the
+    resident units.
+  """
   sched = Schedule.build(cfg, ec)
   unit = unit_param_bytes(cfg, ec)
   streamed = [unit[u] for u in sched.fetch_order] or [0]
@@ -344,8 +393,16 @@ def static_device_bytes(cfg: LlamaConfig, ec: EngineConfig) -> int:
 
 def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation
                           ) -> dict[str, int]:
-  """Device bytes of `ResidentTrainer`'s state: fp32 parameters, gradients and
-  optimizer state (activations are not counted)."""
+  """Device bytes of `ResidentTrainer`'s state.
+
+  Args:
+    cfg: the model.
+    optimizer: its transform.
+
+  Returns:
+    fp32 parameters, gradients and optimizer state by kind, and "total"
+    (activations are not counted).
+  """
   n = sum(unit_sizes(cfg))
   e, b, h = _state_bytes(cfg, optimizer)
   out = {"params": 4 * n, "gradients": 4 * n, "optimizer_state": e + cfg.n_layers * b + h}
@@ -353,10 +410,14 @@ def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformat
   return out
 
 
-# -- limits and the preflight ---------------------------------------------------------
+# -- this machine's limits ------------------------------------------------------------
 
 def available_host_bytes() -> int:
-  """Host memory the kernel says a new allocation can get (MemAvailable)."""
+  """Host memory the kernel says a new allocation can get.
+
+  Returns:
+    MemAvailable from /proc/meminfo (elsewhere, the free pages).
+  """
   try:
     with open("/proc/meminfo", encoding="ascii") as f:
       for line in f:
@@ -368,81 +429,13 @@ def available_host_bytes() -> int:
 
 
 def accelerator_bytes() -> int | None:
-  """The accelerator's memory limit, or None on the CPU backend (host memory)."""
+  """The accelerator's memory limit.
+
+  Returns:
+    Its `bytes_limit`, or None on the CPU backend (where device memory is host RAM).
+  """
   dev = jax.devices()[0]
   if dev.platform == "cpu":
     return None
   stats = dev.memory_stats() or {}
   return stats.get("bytes_limit")
-
-
-def describe(kinds: dict[str, int], unit: int = GiB) -> str:
-  """"kind 1.23, kind 0.50" in `unit`s (GiB by default), "total" left out."""
-  name = {GiB: "GiB", 2**20: "MiB"}.get(unit, "bytes")
-  return f"{name}: " + ", ".join(f"{k} {v / unit:.2f}" for k, v in kinds.items()
-                                 if k != "total")
-
-
-def device_budget_error(where: str, need: dict[str, int], limit: int,
-                        unit: int = GiB) -> ValueError:
-  """The one message for a step over the device budget: the need by kind, the
-  limit, and what to change."""
-  scale = {GiB: "GiB", 2**20: "MiB"}.get(unit, "bytes")
-  return ValueError(
-      f"{where} needs about {need['total'] / unit:.3f} {scale} of device memory "
-      f"({describe(need, unit)}), over the device limit of {limit / unit:.3f} {scale}. "
-      "Lower the batch size or sequence length (or raise grad_accum), lower "
-      "prefetch_depth or checkpoint_every, stream the embedding and head, or raise "
-      "the budget (device_budget_bytes).")
-
-
-def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
-               ec: EngineConfig | None, batch_size: int, seq_len: int,
-               host_limit: int | None = None, device_limit: int | None = None,
-               resident: bool = False) -> dict[str, dict[str, int]]:
-  """Refuses a run that cannot fit, before anything is allocated.
-
-  On the CPU backend the "device" is host memory, so device bytes count against
-  the host limit too.
-
-  Args:
-    cfg: the model.
-    optimizer: the transform the run uses.
-    ec: the engine config (None with `resident=True`).
-    batch_size: sequences per step.
-    seq_len: tokens per sequence.
-    host_limit: host bytes available (default: `available_host_bytes()`).
-    device_limit: device bytes available (default: the config's budget, else the
-      accelerator's memory).
-    resident: plan a `ResidentTrainer` (everything on the device) instead.
-
-  Returns:
-    {"host": bytes by kind, "device": bytes by kind}.
-
-  Raises:
-    ValueError: the run needs more host or device memory than there is, with the
-      numbers by kind and what to change.
-  """
-  if resident:
-    host, dev = {"total": 0}, resident_device_bytes(cfg, optimizer)
-  else:
-    host = host_bytes(cfg, optimizer, ec)
-    dev = device_bytes(cfg, ec, batch_size, seq_len)
-  host_limit = available_host_bytes() if host_limit is None else host_limit
-  on_cpu = on_cpu_backend()
-  host_need = host["total"] + (dev["total"] if on_cpu else 0)
-  if host_need > host_limit:
-    raise ValueError(
-        f"This run needs about {host_need / GiB:.2f} GiB of host memory ({describe(host)}"
-        + (f", device-side arrays on the CPU backend {dev['total'] / GiB:.2f}" if on_cpu
-           else "")
-        + f"), but only {host_limit / GiB:.2f} GiB is available. Train a smaller model, "
-        "use bfloat16 compute (halves the pinned copies) or EngineConfig(stream_copy="
-        "'on_fetch') (none kept), keep grad_accum=1 with an "
-        "element-wise optimizer such as AdamW (no gradient accumulators), or use a "
-        "machine with more RAM.")
-  limit = (ec.device_budget_bytes if ec is not None else None) or device_limit \
-      or accelerator_bytes()
-  if limit is not None and dev["total"] > limit:
-    raise device_budget_error(f"A step on batch [{batch_size}, {seq_len}]", dev, limit)
-  return {"host": host, "device": dev}

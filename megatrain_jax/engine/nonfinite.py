@@ -86,8 +86,16 @@ def find_nonfinite(loss: float, bad_units: Sequence[int], grad_order: Sequence[i
 
 
 def describe(guard: StepGuard, unit_name: Callable[[int], str]) -> str:
-  """"Non-finite loss nan at step 3" or "Non-finite gradient at step 3 ...: first
-  found in layer 0; also in ..."."""
+  """What went bad in a step, in words.
+
+  Args:
+    guard: the step's guard, with `bad` set.
+    unit_name: a unit's name for messages.
+
+  Returns:
+    "Non-finite loss nan at step 3", or "Non-finite gradient at step 3 (loss ...):
+    first found in layer 0; also in ...".
+  """
   kind, units = guard.bad
   if kind == "loss":
     return f"Non-finite loss {guard.loss} at step {guard.step}"
@@ -100,7 +108,17 @@ def describe(guard: StepGuard, unit_name: Callable[[int], str]) -> str:
 
 def error(guard: StepGuard, unit_name: Callable[[int], str],
           late: bool = False) -> FloatingPointError:
-  """The FloatingPointError a bad step raises: unchanged state, or half-updated."""
+  """The error a bad step raises.
+
+  Args:
+    guard: the step's guard, with `bad` set.
+    unit_name: a unit's name for messages.
+    late: found after the step returned.
+
+  Returns:
+    A FloatingPointError saying whether the state is unchanged (no update ran) or
+    half-updated (naming the units updated, and that the trainer is now invalid).
+  """
   what = describe(guard, unit_name)
   if not guard.updated:
     return FloatingPointError(

@@ -30,14 +30,23 @@ class Ledger:
     self.peak = 0
 
   def add(self, key, nbytes: int) -> None:
-    """Counts `nbytes` under `key` (replacing what the key held)."""
+    """Counts bytes under a key (replacing what the key held).
+
+    Args:
+      key: what holds them.
+      nbytes: their size.
+    """
     with self._lock:
       self.current += nbytes - self._live.get(key, 0)
       self._live[key] = nbytes
       self.peak = max(self.peak, self.current)
 
   def remove(self, key) -> None:
-    """Stops counting `key` (nothing if it is not counted)."""
+    """Stops counting a key (nothing if it is not counted).
+
+    Args:
+      key: what held the bytes.
+    """
     with self._lock:
       self.current -= self._live.pop(key, 0)
 
@@ -239,7 +248,11 @@ class Prefetcher:
   # -- caller side -----------------------------------------------------------
 
   def check(self) -> None:
-    """Raises what stopped the prefetch thread, if anything did."""
+    """Raises what stopped the prefetch thread, if anything did.
+
+    Raises:
+      The thread's exception, as it was raised there.
+    """
     if self._error is not None:
       raise self._error
 
@@ -263,7 +276,11 @@ class Prefetcher:
       self._jobs.put(job)
 
   def cancel(self) -> None:
-    """Drops every started schedule and frees every buffer fetched for it."""
+    """Drops every started schedule and frees every buffer fetched for it.
+
+    Raises:
+      TimeoutError: the thread did not stop within `timeout_s`.
+    """
     with self._cond:
       self._cancel = True
       self._cond.notify_all()
@@ -284,7 +301,10 @@ class Prefetcher:
     self.drain()
 
   def get(self, u: int):
-    """The next unit of the started schedules, which must be `u`.
+    """The next unit of the started schedules, on the device.
+
+    Args:
+      u: the unit the caller expects next.
 
     Returns:
       (device array, key to `release` it with).
@@ -328,7 +348,12 @@ class Prefetcher:
       self._cond.notify_all()
 
   def release(self, key, token) -> None:
-    """Frees the buffer fetched under `key` once `token` is ready."""
+    """Frees a fetched buffer once the compute that used it is done.
+
+    Args:
+      key: the key `get` returned with the buffer.
+      token: an array computed from the buffer (None: free it now).
+    """
     with self._cond:
       self._released.append((key, token))
       self._cond.notify_all()

@@ -72,12 +72,26 @@ def _abstract_units(cfg: LlamaConfig) -> tuple[Any, ...]:
 
 
 def whole_model_units(cfg: LlamaConfig) -> tuple[Any, ...]:
-  """Abstract parameter trees (ShapeDtypeStructs) of every unit of `cfg`, in order."""
+  """Every unit's abstract parameter tree, without allocating.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    ShapeDtypeStruct trees of the embedding, each block and the head.
+  """
   return _abstract_units(cfg)
 
 
 def miniature_units(cfg: LlamaConfig) -> tuple[Any, ...]:
-  """Every unit's tree with each dimension capped at 3 (abstract; for `probe`)."""
+  """Every unit's tree with each dimension capped at 3, for `probe`.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    Abstract fp32 trees, in unit order.
+  """
   return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       tuple(min(d, 3) for d in x.shape), jnp.float32), t) for t in _abstract_units(cfg))
 
@@ -129,26 +143,29 @@ def probe(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
   """
   rng = np.random.default_rng(0)
   params = [_fill(t, rng, 1.0) for t in unit_trees]
+  # Jitted (as the engine runs it): one compilation per distinct tree structure.
+  init, update = jax.jit(optimizer.init), jax.jit(optimizer.update)
+  apply = jax.jit(optax.apply_updates)
   try:
     whole = assemble(params)
-    state = optimizer.init(whole)
+    state = init(whole)
   except Exception as e:  # pylint: disable=broad-except
     return Verdict(False, f"its init fails on the model's tree ({type(e).__name__}: {e})")
   parts, conclusive = list(params), 0
   try:
-    states = [optimizer.init(p) for p in parts]
+    states = [init(p) for p in parts]
   except Exception as e:  # pylint: disable=broad-except
     return Verdict(False, f"it fails on a single unit's tree ({type(e).__name__}: {e})")
   for step in range(1, max_steps + 1):
     grads = [_fill(t, rng, float(10 ** rng.uniform(-1, 3))) for t in unit_trees]
     try:
-      upd_whole, state = optimizer.update(assemble(grads), state, whole)
+      upd_whole, state = update(assemble(grads), state, whole)
     except Exception as e:  # pylint: disable=broad-except
       return Verdict(False, f"its update fails on the model's tree ({type(e).__name__}: {e})")
     try:
       upd_units = []
       for i, (p, s) in enumerate(zip(parts, states)):
-        u, states[i] = optimizer.update(grads[i], s, p)
+        u, states[i] = update(grads[i], s, p)
         upd_units.append(u)
     except Exception as e:  # pylint: disable=broad-except
       return Verdict(False, f"it fails on a single unit's tree ({type(e).__name__}: {e})")
@@ -159,8 +176,8 @@ def probe(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
     if conclusive >= needed:
       return Verdict(True, f"unit-by-unit updates equal whole-tree ones over {step} "
                            "probe steps")
-    whole = optax.apply_updates(whole, upd_whole)
-    parts = [optax.apply_updates(p, u) for p, u in zip(parts, upd_units)]
+    whole = apply(whole, upd_whole)
+    parts = [apply(p, u) for p, u in zip(parts, upd_units)]
   return Verdict(False, f"it made no update to compare in {max_steps} probe steps "
                         f"({conclusive} with one), e.g. a schedule at zero or "
                         "MultiSteps between applications")

@@ -8,12 +8,13 @@ down (threads stopped, device buffers freed) and the host state goes with it.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from absl import logging
 
+from megatrain_jax.engine import nonfinite
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.gradients import GradientPipeline, UpdateClock
 from megatrain_jax.engine.host_optimizer import HostOptimizer
@@ -50,6 +51,8 @@ class Runtime:
     # when a non-finite step must be skippable.
     self.defer = host_opt.updates_after_sweep or ec.nonfinite == "skip"
     self._grad_hook = grad_hook
+    self.h2d_bytes = self.peak_bytes = 0
+    self.last: dict[str, float] = {}
     self.open = False
     self.start()
 
@@ -71,48 +74,223 @@ class Runtime:
       raise RuntimeError("The StreamingTrainer was closed during a fetch.")
 
   def ready(self, u: int, step: int) -> bool:
-    """Whether unit u can be fetched for `step` (raises what stopped the engine)."""
+    """Whether a unit can be fetched for a step now.
+
+    Args:
+      u: the unit.
+      step: the step.
+
+    Returns:
+      True once its update of the step before is done (raises what stopped the
+      engine, if anything did).
+    """
     if self.clock.ready(u, step):
       return True
     self._check_alive()
     return False
 
   def fetch(self, u: int, step: int) -> jax.Array:
-    """Unit u's copy on the device, once its update from the step before is done."""
+    """A unit's copy on the device, once its update of the step before is done.
+
+    Args:
+      u: the unit.
+      step: the step the fetch is for.
+
+    Returns:
+      The device array.
+    """
     self.clock.wait(u, step, self._check_alive)
     return self.store.to_device(u)
 
   # -- called by the trainer ----------------------------------------------------
 
   def await_update(self, u: int, step: int) -> None:
-    """The caller waits (up to `timeout_s`) for unit u's update before `step`."""
+    """The caller waits (up to `timeout_s`) for a unit's update before a step.
+
+    Args:
+      u: the unit.
+      step: the step about to use it.
+    """
     self.clock.wait(u, step, self._check_alive,
                     deadline=time.monotonic() + self.ec.timeout_s,
                     what=self.schedule.unit_name(u))
 
-  def snapshot(self, order, read, max_copies: int) -> Snapshot:
-    """A snapshot whose parts the updates copy (at most `max_copies` ahead of the
-    writer) before they change them; installed until the writer closes it."""
-    snap = Snapshot(list(order), read, max_copies, self.copies)
-    keys = dict(zip(self.host_opt.state_names(), self.state_keys()))
+  def settle(self, guard: nonfinite.StepGuard, loss: float) -> nonfinite.Bad | None:
+    """After a step's sweep: its verdict, and its deferred update queued.
 
-    def before_donate(units):
+    Deferred updates: every gradient is on the host, so the verdict is final; a
+    clean step's update is queued on the optimizer thread (it runs while the next
+    step starts), a bad one's units are marked done unchanged. Per-unit updates: the
+    first update's verdict (see `nonfinite.first_verdict`).
+
+    Args:
+      guard: the step's guard.
+      loss: its loss.
+
+    Returns:
+      None, or what went bad.
+    """
+    if not self.defer:
+      return nonfinite.first_verdict(guard, loss, self.pipeline, self.ec.timeout_s)
+    self.pipeline.wait()
+    bad = nonfinite.find_nonfinite(loss, self.host_opt.nonfinite_units(),
+                                   self.schedule.grad_order)
+    if bad is None:
+      self.pipeline.update_all(guard.step)
+    else:
+      self.clock.mark(range(self.schedule.n_units), guard.step)
+    return bad
+
+  # -- state ---------------------------------------------------------------------
+
+  def state_keys(self) -> list[str]:
+    """The checkpoint part names.
+
+    Returns:
+      One per `host_opt.state_names()` entry, in that order.
+    """
+    return [n if n == "optimizer" else self.schedule.state_key(n)
+            for n in self.host_opt.state_names()]
+
+  def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+    """The checkpoint's layout.
+
+    Returns:
+      For each part, the (shape, dtype) of its arrays.
+    """
+    return {key: self.host_opt.state_layout(name)
+            for name, key in zip(self.host_opt.state_names(), self.state_keys())}
+
+  def snapshot(self, max_copies: int) -> Snapshot:
+    """A snapshot of the host state, installed until the writer closes it.
+
+    Args:
+      max_copies: parts an update may copy ahead of the writer before it waits.
+
+    Returns:
+      The `Snapshot`, parts in the order the next updates change them.
+    """
+    key_of = dict(zip(self.host_opt.state_names(), self.state_keys()))
+    name_of = {k: n for n, k in key_of.items()}
+    order = [key_of[u] for u in self.schedule.update_order(self.defer)]
+    order += [k for k in self.state_keys() if k not in order]
+    snap = Snapshot(order, lambda key: self.host_opt.copy_state(name_of[key]), max_copies,
+                    self.copies)
+
+    def before_donate(names):
       if snap.closed:
         self.host_opt.set_before_donate(None)
         return
-      snap.before_change([keys[u] for u in units])
+      snap.before_change([key_of[n] for n in names])
 
     self.host_opt.set_before_donate(before_donate)
     return snap
 
-  def state_keys(self) -> list[str]:
-    """The checkpoint part names of `host_opt.state_names()`, in that order."""
-    return [n if n == "optimizer" else self.schedule.state_key(n)
-            for n in self.host_opt.state_names()]
+  def load_state(self, read: Callable[[str], dict], step: int) -> None:
+    """Sets every part of the state.
+
+    Args:
+      read: part name -> its arrays.
+      step: the step the state is at (every unit is then as of it).
+    """
+    for name, key in zip(self.host_opt.state_names(), self.state_keys()):
+      self.host_opt.load_state(name, read(key))
+    self.host_opt.drop_gradients()
+    self.clock.reset(step)
+
+  def take_gradients(self) -> list[Any]:
+    """The accumulated gradients as unit trees, which are then dropped.
+
+    Returns:
+      One tree of fp32 numpy arrays per unit.
+    """
+    host_opt = self.host_opt
+    grads = [s.unflatten(host_opt.gradient(u)) for u, s in enumerate(host_opt.specs)]
+    self.pipeline.drop_gradients()
+    return grads
+
+  def remake_copies(self) -> None:
+    """After the masters changed outside an update: every unit's copies anew."""
+    for u in range(self.schedule.n_units):
+      self.store.master_changed(u)
+
+  # -- counters ------------------------------------------------------------------
+
+  def _counters(self) -> tuple[float, ...]:
+    return (self.pipeline.d2h_bytes, self.prefetcher.busy_s, self.pipeline.d2h_s,
+            self.pipeline.opt_s)
+
+  def start_step(self) -> tuple[float, ...]:
+    """A step starts: the ledger's peak restarts.
+
+    Returns:
+      The running totals, for `end_step`.
+    """
+    self.ledger.reset_peak()
+    return self._counters()
+
+  def count_fetches(self, step: int, input_bytes: int) -> int:
+    """Adds a step's host -> device bytes to the total.
+
+    Args:
+      step: the step (its fetches, some made during the step before).
+      input_bytes: the batch's bytes.
+
+    Returns:
+      The step's bytes.
+    """
+    h2d = (self.prefetcher.bytes_for.pop(step, 0) + self.store.take_resident_h2d_bytes()
+           + input_bytes)
+    self.h2d_bytes += h2d
+    return h2d
+
+  def end_step(self, step: int, before: tuple[float, ...], input_bytes: int, t0: float,
+               t_compute: float, t_end: float) -> None:
+    """Records a step's bytes, peak and phase times (`stats()["last_step"]`).
+
+    Args:
+      step: the step.
+      before: `start_step()`'s totals.
+      input_bytes: the batch's bytes.
+      t0: when the step started.
+      t_compute: when its sweep was dispatched.
+      t_end: when it returned.
+    """
+    now = self._counters()
+    self.peak_bytes = max(self.peak_bytes, self.ledger.peak)
+    self.last = {"step_time_s": t_end - t0, "wait_optimizer_s": t_end - t_compute,
+                 "h2d_bytes": self.count_fetches(step, input_bytes),
+                 "h2d_s": now[1] - before[1], "d2h_s": now[2] - before[2],
+                 "host_opt_s": now[3] - before[3], "d2h_bytes": now[0] - before[0],
+                 "device_peak_bytes": self.ledger.peak}
+
+  def stats(self) -> dict[str, Any]:
+    """The runtime's part of `StreamingTrainer.stats()`.
+
+    Returns:
+      Counters by name (docs/engine.md lists them).
+    """
+    host_opt = self.host_opt
+    return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.pipeline.d2h_bytes,
+            "device_peak_bytes": self.peak_bytes, "last_step": dict(self.last),
+            "device_bytes": self.ledger.current,
+            "param_count": sum(s.size for s in host_opt.specs),
+            "stream_bytes": self.store.stream_bytes(), "prefetch_slots": self.schedule.slots,
+            "optimizer_mode": host_opt.mode, "fused_optimizer": host_opt.fused,
+            "host_update_parts": max(len(p) for p in host_opt.parts),
+            "stream_copy": "keep" if self.store.keep_copy else "on_fetch",
+            "out_of_order_fetches": self.prefetcher.out_of_order,
+            "start_buffer_fetches": self.prefetcher.start_buffer_fetches,
+            "snapshot_copy_bytes": self.copies.current,
+            "snapshot_copy_peak_bytes": self.copies.peak}
 
   def shutdown(self) -> BaseException | None:
-    """Lets queued updates finish, stops the threads, frees every device buffer the
-    engine holds. Idempotent; returns the first error a thread met."""
+    """Lets queued updates finish, stops the threads and frees every device buffer
+    the engine holds. Idempotent.
+
+    Returns:
+      The first error a thread met, or None.
+    """
     if not self.open:
       return None
     self.open = False
@@ -128,7 +306,12 @@ class Runtime:
 
 
 def shutdown_quietly(runtime: Runtime) -> None:
-  """The finalizer of a trainer dropped (or left at exit) without `close()`."""
+  """The finalizer of a trainer dropped (or left at exit) without `close()`: shuts
+  the runtime down and logs a failure it had met.
+
+  Args:
+    runtime: the trainer's runtime.
+  """
   try:
     error = runtime.shutdown()
   except Exception as e:  # pylint: disable=broad-except

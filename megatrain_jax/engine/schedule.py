@@ -87,7 +87,11 @@ class Schedule:
     return self.n_layers + 1
 
   def resident_units(self) -> tuple[int, ...]:
-    """Units kept on the device between steps instead of fetched."""
+    """Units kept on the device between steps instead of fetched.
+
+    Returns:
+      (embed, head) with `stream_embed_head=False`, else ().
+    """
     return () if self.streamed_ends else (self.embed, self.head)
 
   def limit(self, position: int) -> int:
@@ -114,9 +118,23 @@ class Schedule:
     return tuple(range(self.n_units)) if deferred else self.grad_order
 
   def unit_name(self, u: int) -> str:
-    """"embed", "layer i" (0-based) or "head"."""
+    """A unit's name for messages.
+
+    Args:
+      u: the unit index.
+
+    Returns:
+      "embed", "layer i" (0-based) or "head".
+    """
     return {self.embed: "embed", self.head: "head"}.get(u, f"layer {u - 1}")
 
   def state_key(self, u: int) -> str:
-    """The name of unit u's part of a checkpoint: "embed", "block_0003", "head"."""
+    """The name of a unit's part of a checkpoint.
+
+    Args:
+      u: the unit index.
+
+    Returns:
+      "embed", "block_0003" (layer 3) or "head".
+    """
     return {self.embed: "embed", self.head: "head"}.get(u, f"block_{u - 1:04d}")

@@ -31,13 +31,26 @@ class TrainerState(Protocol):
     """Steps taken (restored from a checkpoint)."""
 
   def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
-    """For each part of the state, the (shape, dtype) of each of its arrays."""
+    """What `snapshot` holds, without copying.
+
+    Returns:
+      For each part of the state, the (shape, dtype) of each of its arrays.
+    """
 
   def snapshot(self) -> "Snapshot":
-    """The state at this step boundary, readable part by part while training goes on."""
+    """The state at this step boundary.
+
+    Returns:
+      A `Snapshot`, readable part by part while training goes on.
+    """
 
   def restore(self, read: Callable[[str], Arrays], step_count: int) -> None:
-    """Loads every part of `state_layout()` from `read(key)`."""
+    """Loads every part of `state_layout()`.
+
+    Args:
+      read: part name -> its arrays, laid out as `state_layout()` says.
+      step_count: the step the state is at.
+    """
 
 
 class CopyCounter:
@@ -49,7 +62,11 @@ class CopyCounter:
     self.peak = 0
 
   def add(self, nbytes: int) -> None:
-    """Counts `nbytes` more (negative: fewer)."""
+    """Counts more bytes.
+
+    Args:
+      nbytes: bytes added (negative: released).
+    """
     with self._lock:
       self.current += nbytes
       self.peak = max(self.peak, self.current)
@@ -88,8 +105,13 @@ class Snapshot:
     return sum(x.nbytes for x in arrays.values())
 
   def before_change(self, keys) -> None:
-    """Called before the parts `keys` change: copies each one the writer has not read,
-    or waits for the writer to read it when `max_copies` copies already wait."""
+    """Called (on the updating thread) before parts change: copies each one the writer
+    has not read, or waits for the writer to read it when `max_copies` copies
+    already wait.
+
+    Args:
+      keys: the parts about to change.
+    """
     for k in keys:
       with self._cond:
         while True:
@@ -111,8 +133,18 @@ class Snapshot:
         self._cond.notify_all()
 
   def take(self, key: str) -> Arrays:
-    """The writer's read of one part: its copy if an update made one, else the live
-    part (which no update changes until this returns)."""
+    """The writer's read of one part.
+
+    Args:
+      key: the part.
+
+    Returns:
+      Its copy if an update made one, else a copy of the live part (which no update
+      changes until this returns).
+
+    Raises:
+      RuntimeError: the snapshot is closed and holds no copy of the part.
+    """
     with self._cond:
       while key in self._busy:
         self._cond.wait()
@@ -149,5 +181,12 @@ class Snapshot:
 
 
 def static_snapshot(parts: dict[str, Arrays]) -> Snapshot:
-  """A snapshot of arrays already copied (nothing changes under it)."""
+  """A snapshot of arrays already copied (nothing changes under it).
+
+  Args:
+    parts: part name -> its arrays.
+
+  Returns:
+    The `Snapshot`.
+  """
   return Snapshot(list(parts), lambda k: parts[k], max_copies=None)

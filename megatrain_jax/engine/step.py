@@ -20,7 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
+from megatrain_jax.engine.memory import StepPlan
 from megatrain_jax.engine.nonfinite import StepGuard
 from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.engine.schedule import Schedule
@@ -121,3 +123,37 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     send(1, *layer0)
   pf.job_done()  # no activation is left: the next job may use its start buffers
   return loss_sum, sum(batch[k].nbytes for k in ("input_ids", "labels", "loss_mask"))
+
+
+def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], total: float,
+          guard: StepGuard, grad_accum: int, update: bool, started: bool
+          ) -> tuple[float, int]:
+  """Every micro-batch's forward and backward; the gradients go to the pipeline.
+
+  Args:
+    rt: the runtime.
+    tpl: the templates.
+    plan: this batch shape's plan.
+    batch: the whole batch, host arrays.
+    total: the batch's mask sum.
+    guard: the step's guard.
+    grad_accum: micro-batches.
+    update: this step updates (its last micro-batch's gradients are applied, and the
+      next step's fetches start behind it).
+    started: the first micro-batch's fetches were started by the step before.
+
+  Returns:
+    (the batch's mean loss, input bytes moved).
+  """
+  b = batch["input_ids"].shape[0]
+  scale, sums, input_bytes = jnp.float32(1.0 / total), [], 0
+  for m in range(grad_accum):
+    if not (m == 0 and started):
+      rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit)
+    last = update and m == grad_accum - 1
+    micro = {k: v[m * b // grad_accum:(m + 1) * b // grad_accum] for k, v in batch.items()}
+    loss_sum, nbytes = micro_step(rt, tpl, plan.schedule, micro, scale, guard, last,
+                                  start_next=last)
+    sums.append(loss_sum)
+    input_bytes += nbytes
+  return float(sum(float(s) for s in sums)) / total, input_bytes

@@ -41,19 +41,36 @@ class UnitStore:
     self.resident_h2d_bytes = 0  # fetches of resident units, taken by each step
 
   def place_resident(self, units) -> None:
-    """Puts these units' copies on the device, to stay there between steps."""
+    """Puts these units' copies on the device, to stay there between steps.
+
+    Args:
+      units: unit indices.
+    """
     for u in units:
       self._refresh_resident(u)
 
   def to_device(self, u: int) -> jax.Array:
-    """Unit u's compute-dtype copy in device memory: from its kept streaming copy,
-    or cast from its master."""
+    """A unit's compute-dtype copy in device memory.
+
+    Args:
+      u: the unit.
+
+    Returns:
+      A new device array: from its kept streaming copy, or cast from its master.
+    """
     if self._stream is not None:
       return self.transport.h2d(self._stream[u])
     return self.transport.h2d_cast(self.host_opt.parts[u], self.cd)
 
   def resident(self, u: int) -> jax.Array | None:
-    """Unit u's device-resident copy, or None when it is streamed."""
+    """A unit's device-resident copy.
+
+    Args:
+      u: the unit.
+
+    Returns:
+      The copy, or None when the unit is streamed.
+    """
     return self._resident.get(u)
 
   def _refresh_resident(self, u: int) -> None:
@@ -64,25 +81,42 @@ class UnitStore:
     self.ledger.add(("resident", u), arr.nbytes)
 
   def updated(self, u: int, new_copy: jax.Array | None) -> None:
-    """After unit u's master changed: keeps its new streaming copy (None when none
-    is kept) and refreshes its resident device copy, if any."""
+    """After a unit's master changed: keeps its new streaming copy and refreshes its
+    resident device copy, if any.
+
+    Args:
+      u: the unit.
+      new_copy: its new compute-dtype copy (None when no copy is kept).
+    """
     if new_copy is not None:
       self._stream[u] = self.transport.stage(new_copy)
     if u in self._resident:
       self._refresh_resident(u)
 
   def master_changed(self, u: int) -> None:
-    """Unit u's master was set outside an update (a restore): remakes its copies."""
+    """Remakes a unit's copies after its master was set outside an update (a restore).
+
+    Args:
+      u: the unit.
+    """
     self.updated(u, self.host_opt.stream_copy(u) if self.keep_copy else None)
 
   def take_resident_h2d_bytes(self) -> int:
-    """Bytes of resident refreshes since the last call."""
+    """Bytes moved to refresh resident units since the last call.
+
+    Returns:
+      The bytes (the counter restarts at 0).
+    """
     with self._lock:
       out, self.resident_h2d_bytes = self.resident_h2d_bytes, 0
     return out
 
   def stream_bytes(self) -> int:
-    """Host bytes of the kept streaming copies (0 when none are kept)."""
+    """Host bytes of the kept streaming copies.
+
+    Returns:
+      Their total, from the arrays themselves (0 when none are kept).
+    """
     return 0 if self._stream is None else sum(x.nbytes for x in self._stream)
 
   def free_device(self) -> None:

@@ -20,7 +20,14 @@ from megatrain_jax.models.loss import head_loss_sum
 
 
 def all_finite(x: jax.Array) -> jax.Array:
-  """A device bool: every element of `x` is finite."""
+  """Whether every element is finite, computed where `x` lives.
+
+  Args:
+    x: an array.
+
+  Returns:
+    A scalar bool array.
+  """
   return jnp.all(jnp.isfinite(x))
 
 

@@ -47,29 +47,68 @@ class Transport(abc.ABC):
 
   @abc.abstractmethod
   def stage(self, host_array: jax.Array) -> jax.Array:
-    """Host-backend array -> the streaming copy (pinned host memory)."""
+    """Makes a streaming copy.
+
+    Args:
+      host_array: a CPU-backend array.
+
+    Returns:
+      The array in pinned host memory (where the device can read it by DMA).
+    """
 
   @abc.abstractmethod
   def h2d(self, staged: jax.Array) -> jax.Array:
-    """Streaming copy -> accelerator `device` memory."""
+    """Moves a streaming copy to the accelerator.
+
+    Args:
+      staged: a `stage` result.
+
+    Returns:
+      The array in the accelerator's `device` memory.
+    """
 
   @abc.abstractmethod
   def d2h(self, device_array: jax.Array) -> jax.Array:
-    """Accelerator array -> host-backend array, ready when this returns."""
+    """Brings an accelerator array back to the host.
+
+    Args:
+      device_array: an array in device memory (a gradient).
+
+    Returns:
+      A CPU-backend array, ready when this returns.
+    """
 
   @abc.abstractmethod
   def to_device(self, x) -> jax.Array:
-    """Small inputs (token ids, labels) -> device memory."""
+    """Puts a small input (token ids, labels) in device memory.
+
+    Args:
+      x: a numpy array.
+
+    Returns:
+      The device array.
+    """
 
   def h2d_cast(self, master: tuple[jax.Array, ...], dtype) -> jax.Array:
-    """Host-backend fp32 master, as a tuple of consecutive parts -> its flat
-    `dtype` copy in device memory (the fetch when no streaming copy is kept):
-    joined and cast on the host, then `stage` and `h2d`."""
+    """The fetch when no streaming copy is kept: joins and casts a master on the host,
+    then `stage` and `h2d`.
+
+    Args:
+      master: a CPU-backend fp32 master, as a tuple of consecutive parts.
+      dtype: the compute dtype.
+
+    Returns:
+      Its flat `dtype` copy in device memory.
+    """
     host = SingleDeviceSharding(self.host_device)
     return self.h2d(self.stage(_cast_into(host, jnp.dtype(dtype))(master)))
 
   def stream_sharding(self) -> jax.sharding.Sharding | None:
-    """Where the host optimizer may write streaming copies directly, or None."""
+    """Where the host optimizer may write streaming copies directly.
+
+    Returns:
+      A sharding, or None (they are made on the host, then staged).
+    """
     return None
 
 

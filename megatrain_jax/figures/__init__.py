@@ -12,7 +12,14 @@ FIGURES = {m.__name__.rsplit(".", 1)[1]: m for m in
 
 
 def run_script(name: str) -> None:
-  """The body of `experiments/figures/<name>.py`: --out_dir and --quick, then make()."""
+  """The body of `experiments/figures/<name>.py`: --out_dir and --quick, then make().
+
+  Defines the two flags and runs the figure's `make` under `absl.app`, after
+  `use_huge_pages()`.
+
+  Args:
+    name: the figure, a key of `FIGURES`.
+  """
   from absl import app, flags, logging  # pylint: disable=import-outside-toplevel
   from megatrain_jax.engine import host_memory  # pylint: disable=import-outside-toplevel
 

@@ -40,7 +40,19 @@ PAPER_MODELS: dict[str, LlamaConfig] = {
 def write(out_dir: str, name: str, rows: Sequence[dict[str, Any]],
           draw: Callable[[Any, Sequence[dict[str, Any]]], None], title: str,
           panels: int = 1) -> tuple[str, str]:
-  """Writes <out_dir>/<name>.csv and <name>.png; returns their paths."""
+  """Writes <out_dir>/<name>.csv and <name>.png; returns their paths.
+
+  Args:
+    out_dir: the folder (made if missing).
+    name: the files' name, without extension.
+    rows: the points; the CSV's columns are every key of any row, in first-seen order.
+    draw: draws the rows, given the panel's axes (an array of them when panels > 1).
+    title: the figure's title.
+    panels: subplots side by side.
+
+  Returns:
+    (CSV path, PNG path).
+  """
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -64,7 +76,21 @@ def write(out_dir: str, name: str, rows: Sequence[dict[str, Any]],
 
 def measure_streaming(cfg: LlamaConfig, batch_size: int, seq_len: int,
                       ec: EngineConfig | None = None, steps: int = 3) -> dict[str, Any]:
-  """Median step time (after one warm-up step), device peak and throughput, measured."""
+  """Median step time (after one warm-up step), device peak and throughput, measured.
+
+  Trains with AdamW on a synthetic batch, from a fresh model.
+
+  Args:
+    cfg: the model.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    ec: the engine config (default: `EngineConfig()`).
+    steps: timed steps.
+
+  Returns:
+    {"step_time_s", "device_peak_bytes", "tokens_per_s", "model_tflops_per_s",
+    "params"}.
+  """
   ec = ec or EngineConfig()
   batch = synthetic_batch(cfg, batch_size, seq_len)
   with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
@@ -78,14 +104,32 @@ def measure_streaming(cfg: LlamaConfig, batch_size: int, seq_len: int,
 
 
 def points(rows, x: str, y: str, **match) -> tuple[list, list]:
-  """The (x, y) values of the rows matching every `key=value` in `match`."""
+  """The (x, y) values of the rows matching every `key=value` in `match`.
+
+  Args:
+    rows: the figure's rows.
+    x: the column of the x values.
+    y: the column of the y values; rows where it is missing or None are left out.
+    **match: column -> the value a row must have.
+
+  Returns:
+    (x values, y values), in row order.
+  """
   sel = [r for r in rows if all(r.get(k) == v for k, v in match.items())
          and r.get(y) is not None]
   return [r[x] for r in sel], [r[y] for r in sel]
 
 
 def draw_tflops(axes, rows, x: str, xlabels: tuple[str, str], paper=None) -> None:
-  """Left: predicted model TFLOPS on h200 and gh200 (and a paper point); right: measured."""
+  """Left: predicted model TFLOPS on h200 and gh200 (and a paper point); right: measured.
+
+  Args:
+    axes: the two panels' axes.
+    rows: the figure's rows, with a "tflops" column.
+    x: the column on the x axis.
+    xlabels: the left and right x-axis labels.
+    paper: ((x, y), label) of the paper's point, or None for none.
+  """
   ax0, ax1 = axes
   for hw in ("h200", "gh200"):
     ax0.plot(*points(rows, x, "tflops", source="predicted", hardware=hw), "o-",

@@ -20,7 +20,19 @@ from megatrain_jax.optim import adamw
 LIMIT = 1.5e12
 
 
-def rows(quick: bool):
+def rows(quick: bool) -> list[dict]:
+  """Host memory by model size, predicted and measured.
+
+  Predicted: the planner's host bytes by kind, in GB, for each of `PAPER_MODELS` as
+  on an accelerator. Measured: the masters, optimizer state and streaming copies
+  the engine allocates for small presets, beside the planner's count of the same.
+
+  Args:
+    quick: the "tiny" preset only, instead of "tiny", "small" and "medium".
+
+  Returns:
+    One row per model, with `source` "predicted" or "measured".
+  """
   ec = EngineConfig(compute_dtype="bfloat16")
   out = []
   for name, cfg in figures.PAPER_MODELS.items():  # on an accelerator: copies kept
@@ -40,7 +52,14 @@ def rows(quick: bool):
   return out
 
 
-def draw(axes, rs):
+def draw(axes, rs) -> None:
+  """Left: predicted host GB, total and by kind, against the 1.5 TB line; right: what
+  the engine allocates here beside the planner's count.
+
+  Args:
+    axes: the two panels' axes.
+    rs: the rows of `rows`.
+  """
   ax0, ax1 = axes
   x, y = figures.points(rs, "params_b", "total_gb", source="predicted")
   ax0.plot(x, y, "o-", label="predicted total (planner)")
@@ -65,6 +84,14 @@ TITLE = "Host memory vs model size (AdamW, fp32 masters, bf16 copies)"
 PANELS = 2
 
 
-def make(out_dir: str, quick: bool = False):
-  """Writes host_memory.csv and host_memory.png under out_dir; returns their paths."""
+def make(out_dir: str, quick: bool = False) -> tuple[str, str]:
+  """Writes host_memory.csv and host_memory.png under out_dir; returns their paths.
+
+  Args:
+    out_dir: the folder (made if missing).
+    quick: fewer and smaller measured points (for tests).
+
+  Returns:
+    (CSV path, PNG path).
+  """
   return figures.write(out_dir, "host_memory", rows(quick), draw, TITLE, PANELS)

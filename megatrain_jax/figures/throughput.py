@@ -19,7 +19,21 @@ SEQ = 4096
 MAX_TOKENS = 65536
 
 
-def rows(quick: bool):
+def rows(quick: bool) -> list[dict]:
+  """Model TFLOPS by model size, predicted and measured.
+
+  Predicted: each of `PAPER_MODELS` on `h200` and `gh200` at 4096 tokens per
+  sequence, at the largest batch that fits the device up to MAX_TOKENS per step
+  (a model with none is left out), with its bottleneck and whether it fits. Measured:
+  small presets at 8 x 128 tokens.
+
+  Args:
+    quick: the "tiny" preset only, instead of "tiny", "small" and "medium", one timed
+      step instead of 3.
+
+  Returns:
+    One row per hardware and model, with `source` "predicted" or "measured".
+  """
   ec = EngineConfig(compute_dtype="bfloat16")
   out = []
   for hw_name in ("h200", "gh200"):
@@ -43,7 +57,13 @@ def rows(quick: bool):
   return out
 
 
-def draw(axes, rs):
+def draw(axes, rs) -> None:
+  """`draw_tflops` by parameters, with the paper's 14B point on GH200.
+
+  Args:
+    axes: the two panels' axes.
+    rs: the rows of `rows`.
+  """
   figures.draw_tflops(axes, rs, "params_b", ("parameters (B)", "parameters (B)"), paper=((14.0, 264.0), "paper: 264 TFLOPS, 14B, GH200"))
 
 
@@ -51,6 +71,14 @@ TITLE = "Throughput vs model size"
 PANELS = 2
 
 
-def make(out_dir: str, quick: bool = False):
-  """Writes throughput.csv and throughput.png under out_dir; returns their paths."""
+def make(out_dir: str, quick: bool = False) -> tuple[str, str]:
+  """Writes throughput.csv and throughput.png under out_dir; returns their paths.
+
+  Args:
+    out_dir: the folder (made if missing).
+    quick: fewer and smaller measured points (for tests).
+
+  Returns:
+    (CSV path, PNG path).
+  """
   return figures.write(out_dir, "throughput", rows(quick), draw, TITLE, PANELS)

@@ -22,7 +22,19 @@ def _cfg(d, layers, vocab=32000, seq=4096):
                      max_seq_len=seq)
 
 
-def rows(quick: bool):
+def rows(quick: bool) -> list[dict]:
+  """Model TFLOPS by width, predicted and measured.
+
+  Predicted: 32 layers, d_model 2048 to 12288, on `h200` and `gh200` at 8 x 4096
+  tokens, with the bottleneck and device GB. Measured: 4 layers at 8 x 128 tokens,
+  with the device peak MB.
+
+  Args:
+    quick: d_model 64 only, instead of 64 to 256, one timed step instead of 3.
+
+  Returns:
+    One row per hardware and width, with `source` "predicted" or "measured".
+  """
   out = []
   ec = EngineConfig(compute_dtype="bfloat16")
   for hw in ("h200", "gh200"):
@@ -40,7 +52,13 @@ def rows(quick: bool):
   return out
 
 
-def draw(axes, rs):
+def draw(axes, rs) -> None:
+  """`draw_tflops` by d_model, without a paper point.
+
+  Args:
+    axes: the two panels' axes.
+    rs: the rows of `rows`.
+  """
   figures.draw_tflops(axes, rs, "d_model", ("d_model (32 layers)", "d_model (4 layers)"), paper=None)
 
 
@@ -48,6 +66,14 @@ TITLE = "Width scaling at fixed depth"
 PANELS = 2
 
 
-def make(out_dir: str, quick: bool = False):
-  """Writes width.csv and width.png under out_dir; returns their paths."""
+def make(out_dir: str, quick: bool = False) -> tuple[str, str]:
+  """Writes width.csv and width.png under out_dir; returns their paths.
+
+  Args:
+    out_dir: the folder (made if missing).
+    quick: fewer and smaller measured points (for tests).
+
+  Returns:
+    (CSV path, PNG path).
+  """
   return figures.write(out_dir, "width", rows(quick), draw, TITLE, PANELS)

@@ -17,6 +17,19 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
   A batch is {"input_ids": int32[B, T], "labels": int32[B, T],
   "loss_mask": float32[B, T]}; `labels[b, t]` is the token that follows
   `input_ids[b, t]`.
+
+  Args:
+    cfg: the model, which bounds the sequence length and token ids.
+    batch: the batch.
+
+  Returns:
+    The batch, token ids as int32 and the mask as float32.
+
+  Raises:
+    TypeError: the batch is not a mapping.
+    ValueError: a missing key, mismatched or empty shapes, a sequence longer than
+      `cfg.max_seq_len`, a non-finite mask, or token ids that are not integers or
+      lie outside the vocabulary.
   """
   if not isinstance(batch, Mapping):
     raise TypeError(f"A batch is a dict with keys {BATCH_KEYS}, got "

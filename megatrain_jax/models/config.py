@@ -58,13 +58,30 @@ class LlamaConfig:
     return self.d_model // self.n_heads
 
   def replace(self, **changes: Any) -> "LlamaConfig":
+    """A copy with some fields changed (and validated again).
+
+    Args:
+      **changes: field name -> new value.
+
+    Returns:
+      The new config.
+    """
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
+    """The fields as a dict.
+
+    Returns:
+      Field name -> value.
+    """
     return dataclasses.asdict(self)
 
   def block_param_count(self) -> int:
-    """Parameters of one decoder block."""
+    """Parameters of one decoder block.
+
+    Returns:
+      The count: attention (with biases if any), MLP and the two norms.
+    """
     d, hd = self.d_model, self.head_dim
     q, kv = self.n_heads * hd, self.n_kv_heads * hd
     attn = d * q + 2 * d * kv + q * d
@@ -74,7 +91,15 @@ class LlamaConfig:
     return attn + mlp + 2 * d
 
   def param_count(self, include_embeddings: bool = True) -> int:
-    """Total parameters; `include_embeddings=False` drops embedding and LM head."""
+    """Total parameters; `include_embeddings=False` drops embedding and LM head.
+
+    Args:
+      include_embeddings: whether to count the embedding and LM head (one matrix
+        when tied).
+
+    Returns:
+      The count.
+    """
     n = self.n_layers * self.block_param_count() + self.d_model  # + final norm
     if include_embeddings:
       n += self.vocab_size * self.d_model
@@ -104,6 +129,17 @@ PRESETS: dict[str, LlamaConfig] = {
 
 
 def preset(name: str) -> LlamaConfig:
+  """A named model size.
+
+  Args:
+    name: a key of `PRESETS`.
+
+  Returns:
+    Its config.
+
+  Raises:
+    ValueError: `name` is not in `PRESETS`.
+  """
   if name not in PRESETS:
     raise ValueError(
         f"Unknown model size {name!r}; choose one of {sorted(PRESETS)}.")

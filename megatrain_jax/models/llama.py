@@ -35,7 +35,16 @@ INIT_STD = 0.02
 # ----------------------------------------------------------------------------
 
 def unit_key(base_key: jax.Array, unit: str, index: int = 0) -> jax.Array:
-  """The PRNG key of one unit: `unit` in {"embed", "block", "head"}."""
+  """The PRNG key of one unit: `unit` in {"embed", "block", "head"}.
+
+  Args:
+    base_key: the model's key.
+    unit: the kind of unit.
+    index: the block's index (0 for embed and head).
+
+  Returns:
+    `base_key` folded with the unit's kind, then with `index`.
+  """
   kind = {"embed": 0, "block": 1, "head": 2}[unit]
   return jax.random.fold_in(jax.random.fold_in(base_key, kind), index)
 
@@ -45,10 +54,28 @@ def _normal(key, shape):
 
 
 def init_embed(cfg: LlamaConfig, key: jax.Array) -> Params:
+  """A fresh embedding unit: normal with std `INIT_STD`.
+
+  Args:
+    cfg: the model.
+    key: the unit's PRNG key (`unit_key`).
+
+  Returns:
+    {"embedding": [V, D]}, fp32.
+  """
   return {"embedding": _normal(key, (cfg.vocab_size, cfg.d_model))}
 
 
 def init_block(cfg: LlamaConfig, key: jax.Array) -> Params:
+  """A fresh decoder block: kernels normal (std `INIT_STD`), norm scales 1, biases 0.
+
+  Args:
+    cfg: the model.
+    key: the unit's PRNG key (`unit_key`).
+
+  Returns:
+    The block's tree (see the module docstring), fp32.
+  """
   d, hd = cfg.d_model, cfg.head_dim
   q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
   kq, kk, kv, ko, kg, ku, kd = jax.random.split(key, 7)
@@ -77,6 +104,16 @@ def init_block(cfg: LlamaConfig, key: jax.Array) -> Params:
 
 
 def init_head(cfg: LlamaConfig, key: jax.Array) -> Params:
+  """A fresh head: final norm scale one, LM head kernel normal with std `INIT_STD`.
+
+  Args:
+    cfg: the model.
+    key: the unit's PRNG key (`unit_key`).
+
+  Returns:
+    {"final_norm": {"scale"}}, plus {"lm_head": {"kernel": [D, V]}} unless the
+    embeddings are tied; fp32.
+  """
   p = {"final_norm": {"scale": jnp.ones((cfg.d_model,), jnp.float32)}}
   if not cfg.tie_embeddings:
     p["lm_head"] = {"kernel": _normal(key, (cfg.d_model, cfg.vocab_size))}
@@ -90,13 +127,27 @@ _jit_init_head = jax.jit(init_head, static_argnums=0)
 
 
 def assemble_units(units) -> Params:
-  """The whole model's tree from its unit trees in unit order (embed, blocks, head)."""
+  """The whole model's tree from its unit trees in unit order (embed, blocks, head).
+
+  Args:
+    units: the unit trees: embed, each block, head.
+
+  Returns:
+    {"embed": ..., "blocks": [...], "head": ...}.
+  """
   units = list(units)
   return {"embed": units[0], "blocks": units[1:-1], "head": units[-1]}
 
 
 def split_units(tree: Params) -> list[Params]:
-  """The unit trees, in unit order, of a whole model's tree (`assemble_units` undone)."""
+  """The unit trees, in unit order, of a whole model's tree (`assemble_units` undone).
+
+  Args:
+    tree: the whole model's tree.
+
+  Returns:
+    The embed, each block and the head.
+  """
   return [tree["embed"], *tree["blocks"], tree["head"]]
 
 
@@ -109,13 +160,32 @@ def _cast(tree, dtype):
 
 
 def rms_norm(x_BxTxD, scale_D, eps):
+  """RMS normalisation over the last axis, computed in fp32.
+
+  Args:
+    x_BxTxD: the activations.
+    scale_D: the per-feature scale.
+    eps: added to the mean square.
+
+  Returns:
+    The normalised, scaled activations, in x's dtype.
+  """
   x32 = x_BxTxD.astype(jnp.float32)
   y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
   return (y * scale_D.astype(jnp.float32)).astype(x_BxTxD.dtype)
 
 
 def rotary(x_BxTxHxK, positions_T, theta):
-  """Rotary embedding, half-split layout (as in Hugging Face Llama)."""
+  """Rotary embedding, half-split layout (as in Hugging Face Llama).
+
+  Args:
+    x_BxTxHxK: queries or keys, per head.
+    positions_T: the position of each token.
+    theta: the rotary base (`rope_theta`).
+
+  Returns:
+    `x` rotated, in its dtype (computed in fp32).
+  """
   k = x_BxTxHxK.shape[-1]
   inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
   angles_TxK2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
@@ -135,6 +205,17 @@ def _dense(p, x):
 
 
 def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
+  """Causal grouped-query self-attention with rotary embeddings.
+
+  Args:
+    cfg: the model.
+    p: the block's "attn" tree, {q, k, v, o}.
+    x_BxTxD: the normalised activations.
+    positions_T: the position of each token.
+
+  Returns:
+    The attention output, [B, T, D].
+  """
   b, t, _ = x_BxTxD.shape
   hd = cfg.head_dim
   q = _dense(p["q"], x_BxTxD).reshape(b, t, cfg.n_heads, hd)
@@ -149,16 +230,45 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
 
 
 def mlp(p: Params, x_BxTxD):
+  """The SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
+
+  Args:
+    p: the block's "mlp" tree, {gate, up, down}.
+    x_BxTxD: the normalised activations.
+
+  Returns:
+    The output, [B, T, D].
+  """
   return _dense(p["down"], jax.nn.silu(_dense(p["gate"], x_BxTxD))
                 * _dense(p["up"], x_BxTxD))
 
 
 def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):
+  """The embedding unit: looks up each token's row.
+
+  Args:
+    p: the embed tree.
+    ids_BxT: the token ids.
+    compute_dtype: the dtype of the result.
+
+  Returns:
+    The embeddings, [B, T, D].
+  """
   return jnp.take(p["embedding"], ids_BxT, axis=0).astype(compute_dtype)
 
 
 def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None):
-  """One decoder block; computes in x's dtype (params are cast to it)."""
+  """One decoder block; computes in x's dtype (params are cast to it).
+
+  Args:
+    cfg: the model.
+    p: the block's tree.
+    x_BxTxD: the block's input.
+    positions_T: the position of each token; None means 0..T-1.
+
+  Returns:
+    The block's output, [B, T, D].
+  """
   p = _cast(p, x_BxTxD.dtype)
   if positions_T is None:
     positions_T = jnp.arange(x_BxTxD.shape[1])
@@ -169,12 +279,34 @@ def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None):
 
 
 def head_norm(cfg: LlamaConfig, head_p: Params, x_BxTxD):
+  """The head's final RMS norm.
+
+  Args:
+    cfg: the model.
+    head_p: the head's tree.
+    x_BxTxD: the last block's output.
+
+  Returns:
+    The normalised activations, in x's dtype.
+  """
   return rms_norm(x_BxTxD, head_p["final_norm"]["scale"].astype(x_BxTxD.dtype),
                   cfg.norm_eps)
 
 
 def head_kernel(cfg: LlamaConfig, head_p: Params, embed_p: Params | None):
-  """The LM head's [D, V] kernel: its own, or the tied embedding's transpose."""
+  """The LM head's [D, V] kernel: its own, or the tied embedding's transpose.
+
+  Args:
+    cfg: the model.
+    head_p: the head's tree.
+    embed_p: the embed tree; needed only with tied embeddings.
+
+  Returns:
+    The kernel.
+
+  Raises:
+    ValueError: the embeddings are tied and `embed_p` is None.
+  """
   if cfg.tie_embeddings:
     if embed_p is None:
       raise ValueError("A tied-embedding head needs the embedding parameters.")
@@ -183,14 +315,34 @@ def head_kernel(cfg: LlamaConfig, head_p: Params, embed_p: Params | None):
 
 
 def logits_apply(cfg: LlamaConfig, head_p: Params, embed_p: Params | None, x_BxTxD):
-  """Full logits in fp32 (for inference and tests; training uses the chunked loss)."""
+  """Full logits in fp32 (for inference and tests; training uses the chunked loss).
+
+  Args:
+    cfg: the model.
+    head_p: the head's tree.
+    embed_p: the embed tree; needed only with tied embeddings.
+    x_BxTxD: the last block's output.
+
+  Returns:
+    The logits, [B, T, V].
+  """
   h = head_norm(cfg, head_p, x_BxTxD)
   w = head_kernel(cfg, head_p, embed_p).astype(h.dtype)
   return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
 
 
 def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32):
-  """Logits of the whole model from its parameter tree."""
+  """Logits of the whole model from its parameter tree.
+
+  Args:
+    cfg: the model.
+    params: the whole model's tree.
+    ids_BxT: the token ids.
+    compute_dtype: the dtype the embedding and blocks compute in.
+
+  Returns:
+    The fp32 logits, [B, T, V].
+  """
   x = embed_apply(params["embed"], ids_BxT, compute_dtype)
   for p in params["blocks"]:
     x = block_apply(cfg, p, x)
@@ -217,9 +369,19 @@ class Unit(nnx.Module):
     self.p = nnx.data(_wrap(tree))
 
   def tree(self) -> Params:
+    """The unit's parameters.
+
+    Returns:
+      The plain tree of their values.
+    """
     return _unwrap(self.p)
 
   def set_tree(self, tree: Params) -> None:
+    """Sets every parameter, as fp32, from a tree of the unit's layout.
+
+    Args:
+      tree: the new values.
+    """
     jax.tree.map(lambda param, v: param.set_value(jnp.asarray(v, jnp.float32)),
                  self.p, tree, is_leaf=lambda x: isinstance(x, nnx.Param))
 
@@ -257,11 +419,21 @@ class Llama(nnx.Module):
     self.head = Unit(f32(params["head"]))
 
   def param_tree(self) -> Params:
+    """The whole model's parameters.
+
+    Returns:
+      {"embed": ..., "blocks": [...], "head": ...}, plain arrays.
+    """
     return {"embed": self.embed.tree(),
             "blocks": [b.tree() for b in self.blocks],
             "head": self.head.tree()}
 
   def load_param_tree(self, params: Params) -> None:
+    """Sets every parameter, as fp32, from a whole model's tree.
+
+    Args:
+      params: the new values, laid out as `param_tree()`.
+    """
     self.embed.set_tree(params["embed"])
     for block, p in zip(self.blocks, params["blocks"], strict=True):
       block.set_tree(p)

@@ -21,11 +21,29 @@ DEFAULT_LOGITS_CHUNK_BYTES = 256 * 2**20
 
 def default_chunk_tokens(vocab_size: int, n_tokens: int,
                          chunk_bytes: int = DEFAULT_LOGITS_CHUNK_BYTES) -> int:
+  """Tokens per loss chunk: as many as fit fp32 logits in `chunk_bytes`.
+
+  Args:
+    vocab_size: the vocabulary size V.
+    n_tokens: tokens in the batch; a chunk holds no more.
+    chunk_bytes: budget for one chunk's [chunk, V] fp32 logits.
+
+  Returns:
+    The chunk size, at least 1.
+  """
   return max(1, min(n_tokens, chunk_bytes // (4 * vocab_size)))
 
 
 def cross_entropy_sum(h_NxD, w_DxV, labels_N, mask_N, chunk_tokens: int):
-  """Returns sum(mask * ce) over N tokens, `chunk_tokens` tokens at a time."""
+  """Returns sum(mask * ce) over N tokens, `chunk_tokens` tokens at a time.
+
+  Args:
+    h_NxD: the final-normed activations.
+    w_DxV: the LM head kernel (cast to h's dtype).
+    labels_N: the target token of each row.
+    mask_N: the loss weight of each row.
+    chunk_tokens: rows per chunk; the rows are zero-padded to whole chunks.
+  """
   n, d = h_NxD.shape
   chunk = max(1, min(int(chunk_tokens), n))
   n_chunks = -(-n // chunk)
@@ -58,7 +76,17 @@ def cross_entropy_sum(h_NxD, w_DxV, labels_N, mask_N, chunk_tokens: int):
 
 def head_loss_sum(cfg: LlamaConfig, head_p, embed_p, x_BxTxD, labels_BxT,
                   loss_mask_BxT, chunk_tokens: int | None = None):
-  """Final norm + LM head + masked CE, summed (not yet divided by sum(mask))."""
+  """Final norm + LM head + masked CE, summed (not yet divided by sum(mask)).
+
+  Args:
+    cfg: the model.
+    head_p: the head's tree.
+    embed_p: the embed tree; needed only with tied embeddings.
+    x_BxTxD: the last block's output.
+    labels_BxT: the target tokens.
+    loss_mask_BxT: the loss weights.
+    chunk_tokens: tokens per loss chunk; None uses `default_chunk_tokens`.
+  """
   b, t, d = x_BxTxD.shape
   h = llama.head_norm(cfg, head_p, x_BxTxD).reshape(b * t, d)
   w = llama.head_kernel(cfg, head_p, embed_p)
@@ -71,7 +99,19 @@ def head_loss_sum(cfg: LlamaConfig, head_p, embed_p, x_BxTxD, labels_BxT,
 
 def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
                chunk_tokens: int | None = None, remat: bool = False):
-  """Mean masked CE of the whole model on a batch (the resident path)."""
+  """Mean masked CE of the whole model on a batch (the resident path).
+
+  Args:
+    cfg: the model.
+    params: the whole model's tree.
+    batch: {"input_ids", "labels", "loss_mask"}.
+    compute_dtype: the dtype the embedding and blocks compute in.
+    chunk_tokens: tokens per loss chunk; None uses `default_chunk_tokens`.
+    remat: whether to recompute each block in the backward (`jax.checkpoint`).
+
+  Returns:
+    sum(mask * ce) / max(sum(mask), 1).
+  """
   block = lambda p, x: llama.block_apply(cfg, p, x)
   if remat:
     block = jax.checkpoint(block)

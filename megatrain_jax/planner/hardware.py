@@ -55,6 +55,15 @@ class Hardware:
   source: str = ""
 
   def flops_at(self, d_model: int) -> float:
+    """The layer FLOP/s at a width, from `layer_flops`.
+
+    Args:
+      d_model: the model's width.
+
+    Returns:
+      The rate interpolated in log-space between the two points around `d_model`;
+      outside their range, the nearest end's rate (a single point's everywhere).
+    """
     pts = sorted(self.layer_flops)
     if len(pts) == 1 or d_model <= pts[0][0]:
       return pts[0][1]
@@ -125,6 +134,19 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
     percent at these sizes.)
   - host->device and device->host GB/s through `DeviceTransport`;
   - the fused host AdamW's bytes/s (28 B per parameter).
+
+  Args:
+    quick: 3 timed calls instead of 5, two default widths instead of four, and 4 Mi
+      instead of 16 Mi elements for the link and optimizer.
+    dtype: the compute dtype of the timed steps.
+    widths: the d_model of each timed model (default (128, 256, 512, 1024), or
+      (128, 512) when quick).
+    batch_size: sequences per timed step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The profile, named after the device kind; device bytes are the accelerator's,
+    or the available host memory where there is none.
   """
   reps = 3 if quick else 5
   dev = jax.devices()[0]
@@ -168,7 +190,18 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
 
 
 def hardware(name: str, quick: bool = False) -> Hardware:
-  """A profile by name: one of PROFILES, or "measured"."""
+  """A profile by name: one of PROFILES, or "measured".
+
+  Args:
+    name: a key of PROFILES, or "measured" to calibrate this machine.
+    quick: for "measured", the quick calibration.
+
+  Returns:
+    The profile.
+
+  Raises:
+    ValueError: an unknown name.
+  """
   if name == "measured":
     return measure_hardware(quick)
   if name not in PROFILES:

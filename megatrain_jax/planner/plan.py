@@ -36,7 +36,17 @@ TB = 1e12
 
 def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> int:
   """The device bytes the engine's ledger can peak at for this shape
-  (`engine.memory.step_plan`, the one device model)."""
+  (`engine.memory.step_plan`, the one device model).
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The step plan's peak total, in bytes.
+  """
   return memory.step_plan(cfg, ec, batch_size, seq_len).peak["total"]
 
 
@@ -45,7 +55,18 @@ def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
   """XLA's scratch inside one layer's backward template (estimated): the values the
   vjp keeps (norm outputs, q/k/v, attention output, the MLP's three d_ff-wide
   intermediates) and their cotangents, plus the [T, T] attention probabilities
-  and their gradient in fp32 unless attention is fused."""
+  and their gradient in fp32 unless attention is fused.
+
+  Args:
+    cfg: the model.
+    ec: the engine config (compute dtype, grad_accum).
+    batch_size: sequences per step; a micro-batch is batch_size // grad_accum.
+    seq_len: tokens per sequence.
+    flash_attention: attention is fused, so the probabilities are not counted.
+
+  Returns:
+    The estimate, in bytes.
+  """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   tokens = (batch_size // ec.grad_accum) * seq_len
   kv = cfg.n_kv_heads * cfg.head_dim
@@ -58,7 +79,18 @@ def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
 
 def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool = True
                  ) -> dict[str, int]:
-  """`engine.memory.device_bytes` plus the workspace of one layer, by kind."""
+  """`engine.memory.device_bytes` plus the workspace of one layer, by kind.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    flash_attention: attention is fused (see `workspace_bytes`).
+
+  Returns:
+    Kind -> bytes, with "workspace" added and counted in "total".
+  """
   dev = dict(memory.device_bytes(cfg, ec, batch_size, seq_len))
   dev["workspace"] = workspace_bytes(cfg, ec, batch_size, seq_len, flash_attention)
   dev["total"] += dev["workspace"]
@@ -90,6 +122,11 @@ class Plan:
   mfu: float
 
   def table(self) -> str:
+    """The plan as a two-column text table.
+
+    Returns:
+      One line per figure, names padded to a common width.
+    """
     rows = [("hardware", self.hardware), ("parameters", f"{self.params / 1e9:.3f} B"),
             ("batch", f"{self.batch_size} x {self.seq_len} tokens"),
             ("fits", "yes" if self.fits else "NO"),
@@ -108,7 +145,15 @@ class Plan:
 
 
 def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
-  """Bytes one step moves each way, and the host optimizer's traffic."""
+  """Bytes one step moves each way, and the host optimizer's traffic.
+
+  Args:
+    cfg: the model.
+    ec: the engine config (compute dtype, grad_accum, stream_embed_head).
+
+  Returns:
+    {"h2d", "d2h", "host_opt"}: bytes per step.
+  """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   sizes = memory.unit_sizes(cfg)
   L, n = cfg.n_layers, sum(sizes)
@@ -140,7 +185,20 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
 def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: bool = True,
                   limit: int = 1 << 16) -> int:
   """The largest batch (a multiple of grad_accum) whose device bytes, workspace
-  included, fit in `device_bytes`; 0 when not even one micro-batch fits."""
+  included, fit in `device_bytes`; 0 when not even one micro-batch fits.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    device_bytes: the device memory.
+    seq_len: tokens per sequence.
+    flash_attention: attention is fused (see `workspace_bytes`).
+    limit: the batch is doubled only while it stays within this; the bisection
+      after can pass it, staying below twice it.
+
+  Returns:
+    The batch size, or 0.
+  """
   fits = lambda b: (device_total(cfg, ec, b, seq_len, flash_attention)["total"]
                     <= device_bytes)
   step = ec.grad_accum
@@ -157,7 +215,19 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
 
 def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hardware,
          batch_size: int, seq_len: int) -> Plan:
-  """Memory and step time of a streaming run on `hw` (see the module docstring)."""
+  """Memory and step time of a streaming run on `hw` (see the module docstring).
+
+  Args:
+    cfg: the model.
+    optimizer: the transform the engine runs (its state counts in the host bytes).
+    ec: the engine config.
+    hw: the hardware profile.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The plan.
+  """
   host = memory.host_bytes(cfg, optimizer, ec, on_cpu=hw.shared)
   dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
   t = _times(cfg, ec, hw, batch_size, seq_len)
@@ -192,7 +262,14 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
 
 
 def config_from_hf_json(path: str) -> LlamaConfig:
-  """A LlamaConfig from a Hugging Face config.json file."""
+  """A LlamaConfig from a Hugging Face config.json file.
+
+  Args:
+    path: the config.json file.
+
+  Returns:
+    The config.
+  """
   import json  # pylint: disable=import-outside-toplevel
   from megatrain_jax import hf  # pylint: disable=import-outside-toplevel
   with open(path, encoding="utf-8") as f:

@@ -1,0 +1,139 @@
+"""Will a run fit? The check made before anything is built.
+
+`check_fits` compares `memory.host_bytes` and `memory.device_bytes` with the host
+memory available and the device budget (or the accelerator's memory), and refuses a
+run that cannot fit with the numbers by kind and what to change. The trainer's own
+budget check raises the same message (`device_budget_error`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import optax
+
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.memory import (GiB, StepPlan, accelerator_bytes,
+                                         available_host_bytes, device_bytes, host_bytes,
+                                         on_cpu_backend, resident_device_bytes, step_plan)
+from megatrain_jax.models.batch import check_batch
+from megatrain_jax.models.config import LlamaConfig
+
+
+def describe(kinds: dict[str, int], unit: int = GiB) -> str:
+  """Bytes by kind in words.
+
+  Args:
+    kinds: bytes by kind ("total" is left out).
+    unit: GiB or MiB.
+
+  Returns:
+    "GiB: kind 1.23, kind 0.50".
+  """
+  name = {GiB: "GiB", 2**20: "MiB"}.get(unit, "bytes")
+  return f"{name}: " + ", ".join(f"{k} {v / unit:.2f}" for k, v in kinds.items()
+                                 if k != "total")
+
+
+def device_budget_error(where: str, need: dict[str, int], limit: int,
+                        unit: int = GiB) -> ValueError:
+  """The one message for a step over the device budget.
+
+  Args:
+    where: what needs the memory ("A step on batch [8, 4096]").
+    need: its bytes by kind, with "total".
+    limit: the budget or the accelerator's memory.
+    unit: GiB or MiB, for the numbers.
+
+  Returns:
+    A ValueError giving the need by kind, the limit, and what to change.
+  """
+  scale = {GiB: "GiB", 2**20: "MiB"}.get(unit, "bytes")
+  return ValueError(
+      f"{where} needs about {need['total'] / unit:.3f} {scale} of device memory "
+      f"({describe(need, unit)}), over the device limit of {limit / unit:.3f} {scale}. "
+      "Lower the batch size or sequence length (or raise grad_accum), lower "
+      "prefetch_depth or checkpoint_every, stream the embedding and head, or raise "
+      "the budget (device_budget_bytes).")
+
+
+def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+               ec: EngineConfig | None, batch_size: int, seq_len: int,
+               host_limit: int | None = None, device_limit: int | None = None,
+               resident: bool = False) -> dict[str, dict[str, int]]:
+  """Refuses a run that cannot fit, before anything is allocated.
+
+  On the CPU backend the "device" is host memory, so device bytes count against
+  the host limit too.
+
+  Args:
+    cfg: the model.
+    optimizer: the transform the run uses.
+    ec: the engine config (None with `resident=True`).
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    host_limit: host bytes available (default: `available_host_bytes()`).
+    device_limit: device bytes available (default: the config's budget, else the
+      accelerator's memory).
+    resident: plan a `ResidentTrainer` (everything on the device) instead.
+
+  Returns:
+    {"host": bytes by kind, "device": bytes by kind}.
+
+  Raises:
+    ValueError: the run needs more host or device memory than there is, with the
+      numbers by kind and what to change.
+  """
+  if resident:
+    host, dev = {"total": 0}, resident_device_bytes(cfg, optimizer)
+  else:
+    host = host_bytes(cfg, optimizer, ec)
+    dev = device_bytes(cfg, ec, batch_size, seq_len)
+  host_limit = available_host_bytes() if host_limit is None else host_limit
+  on_cpu = on_cpu_backend()
+  host_need = host["total"] + (dev["total"] if on_cpu else 0)
+  if host_need > host_limit:
+    raise ValueError(
+        f"This run needs about {host_need / GiB:.2f} GiB of host memory ({describe(host)}"
+        + (f", device-side arrays on the CPU backend {dev['total'] / GiB:.2f}" if on_cpu
+           else "")
+        + f"), but only {host_limit / GiB:.2f} GiB is available. Train a smaller model, "
+        "use bfloat16 compute (halves the pinned copies) or EngineConfig(stream_copy="
+        "'on_fetch') (none kept), keep grad_accum=1 with an "
+        "element-wise optimizer such as AdamW (no gradient accumulators), or use a "
+        "machine with more RAM.")
+  limit = (ec.device_budget_bytes if ec is not None else None) or device_limit \
+      or accelerator_bytes()
+  if limit is not None and dev["total"] > limit:
+    raise device_budget_error(f"A step on batch [{batch_size}, {seq_len}]", dev, limit)
+  return {"host": host, "device": dev}
+
+
+def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any
+               ) -> tuple[dict[str, Any], float, StepPlan]:
+  """Checks a batch for a streaming step, and its shape against the device budget.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch: {"input_ids", "labels", "loss_mask"}.
+
+  Returns:
+    (the batch as host numpy arrays, its mask sum, its shape's `StepPlan`).
+
+  Raises:
+    ValueError: a bad batch (see `check_batch`), a batch size grad_accum does not
+      divide, an all-zero mask, or a shape over `ec.device_budget_bytes`.
+  """
+  batch = check_batch(cfg, batch)
+  b, t = batch["input_ids"].shape
+  if b % ec.grad_accum:
+    raise ValueError(f"Batch size {b} is not divisible by grad_accum={ec.grad_accum}.")
+  total = float(batch["loss_mask"].sum())
+  if total <= 0:
+    raise ValueError("The batch's loss_mask is all zero: no token to train on.")
+  need = device_bytes(cfg, ec, b, t)
+  if ec.device_budget_bytes is not None and need["total"] > ec.device_budget_bytes:
+    raise device_budget_error(f"A step on batch [{b}, {t}]", need, ec.device_budget_bytes,
+                              2**20)
+  return batch, total, step_plan(cfg, ec, b, t)
