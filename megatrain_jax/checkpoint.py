@@ -158,13 +158,18 @@ class CheckpointManager:
     self.wait()
     step = trainer.step_count
     layout = trainer.state_layout()
-    snap = trainer.snapshot()
     meta = {"format": FORMAT_VERSION, "step": step, **_normalise(meta),
             "layout": {k: {a: [list(s), d] for a, (s, d) in v.items()}
                        for k, v in layout.items()}}
-    self._thread = threading.Thread(target=self._write_guarded, args=(step, snap, meta),
-                                    name="megatrain-checkpoint", daemon=True)
-    self._thread.start()
+    snap = trainer.snapshot()  # from here on, the updates keep it for the writer
+    try:
+      self._thread = threading.Thread(target=self._write_guarded, args=(step, snap, meta),
+                                      name="megatrain-checkpoint", daemon=True)
+      self._thread.start()
+    except BaseException:
+      snap.close()
+      self._thread = None
+      raise
 
   def _write_guarded(self, step, snap, meta) -> None:
     try:

@@ -356,7 +356,7 @@ def _unit_trees(obj) -> Iterator[Params]:
       yield b.tree()
     yield obj.head.tree()
   elif isinstance(obj, StreamingTrainer):
-    for u in range(obj.n_units):
+    for u in range(obj.schedule.n_units):
       yield obj.unit_params(u)
   elif isinstance(obj, (ResidentTrainer, dict)):
     yield from llama.split_units(obj.params() if isinstance(obj, ResidentTrainer) else obj)

@@ -173,3 +173,15 @@ def test_restore_on_a_closed_trainer_is_refused():
   eng.close()
   with pytest.raises(RuntimeError, match="closed"):
     eng.restore(lambda key: saved[key], 0)
+
+
+def test_a_failed_trainer_frees_its_device_buffers_and_can_be_dropped():
+  eng = _engine(transport=_SlowFailingD2H(fail_at=3, delay_s=0.0))
+  with pytest.raises(OSError, match="injected late d2h fault"):
+    eng.step(random_batch(TINY))
+    eng.wait()
+  assert eng.stats()["device_bytes"] == 0  # nothing of the failed step is counted
+  ref = weakref.ref(eng)
+  del eng
+  gc.collect()
+  assert ref() is None  # the stored error keeps no frame of it alive

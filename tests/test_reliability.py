@@ -109,6 +109,22 @@ def test_nan_gradient_in_the_first_update_changes_nothing():
     assert not _same_params(eng.params(), before)
 
 
+@pytest.mark.parametrize("opt", [mt.optim.adamw(1e-2), optax.chain(
+    optax.clip_by_global_norm(1.0), optax.adam(1e-2))], ids=["per_unit", "whole_tree"])
+def test_steps_after_a_refused_step_use_updated_units(opt):
+  # A step refused with nothing changed, then training goes on: every later step
+  # must fetch each unit after its update, exactly as a run that never met it.
+  clean = [random_batch(TINY, seed=s) for s in range(1, 5)]
+  with _engine(opt) as ref:
+    want = [ref.step(b)["loss"] for b in clean]
+    want_params = ref.params()
+  with _engine(opt, nan_at=1) as eng:  # the first gradient (the head's) is NaN
+    with pytest.raises(FloatingPointError, match="No parameter"):
+      eng.step(random_batch(TINY, seed=0))
+    assert [eng.step(b)["loss"] for b in clean] == want
+    assert _same_params(eng.params(), want_params)
+
+
 def test_nan_gradient_found_after_the_step_returned_is_raised_by_the_next_call():
   # A slow gradient link: the step returns before layer 0's gradient is on the host.
   with _engine(mt.optim.adamw(1e-2), nan_at=4,  # layer 0's, the last

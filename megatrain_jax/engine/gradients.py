@@ -16,9 +16,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 import jax
+from absl import logging
 
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS
 from megatrain_jax.engine.host_optimizer import HostOptimizer
@@ -117,14 +118,17 @@ class UpdateClock:
 
 
 class Worker:
-  """Runs `handle(job)` for each submitted job on one thread, in order.
+  """Runs `handle(box)` for each submitted job on one thread, in order; `box` is a
+  one-element list the handler pops the job from, so that the job (a device
+  gradient) lives no longer than the handler needs it.
 
   At most `max_pending` jobs wait at once: `submit` blocks beyond that.
   """
 
-  def __init__(self, handle: Callable[[Any], None], name: str,
-               max_pending: int = MAX_PENDING_GRADIENTS):
+  def __init__(self, handle: Callable[[list], None], name: str,
+               max_pending: int = MAX_PENDING_GRADIENTS, close_timeout_s: float = 600.0):
     self._handle, self.max_pending = handle, max_pending
+    self._close_timeout = close_timeout_s
     self._jobs: queue.Queue = queue.Queue()
     self._cond = threading.Condition()
     self._pending = 0
@@ -134,15 +138,16 @@ class Worker:
 
   def _run(self):
     while True:
-      job = self._jobs.get()
-      if job is None:
+      box = [self._jobs.get()]  # the handler pops it: no frame here keeps it alive
+      if box[0] is None:
         return
       try:
         if self.error is None:
-          self._handle(job)
+          self._handle(box)
       except BaseException as e:  # pylint: disable=broad-except
         self.error = e
       finally:
+        box.clear()
         with self._cond:
           self._pending -= 1
           self._cond.notify_all()
@@ -188,9 +193,18 @@ class Worker:
     self.check()
 
   def close(self) -> None:
-    """Lets the queued jobs finish, then stops the thread."""
+    """Lets the queued jobs finish, then stops the thread (a thread stuck past the
+    timeout is left behind, as a daemon, and logged)."""
     self._jobs.put(None)
-    self._thread.join()
+    self._thread.join(self._close_timeout)
+    if self._thread.is_alive():
+      logging.error("%s did not stop in %.0f s; left behind.", self._thread.name,
+                    self._close_timeout)
+
+  def forget_error(self) -> None:
+    """Drops the stored error (it has been reported), so its traceback keeps no
+    frame alive."""
+    self.error = None
 
 
 class GradientPipeline:
@@ -219,8 +233,8 @@ class GradientPipeline:
     self.d2h_bytes = 0
     self.d2h_s = 0.0
     self.opt_s = 0.0
-    self.to_host = Worker(self._to_host, "grads")
-    self.optimizer = Worker(self._update, "optimizer")
+    self.to_host = Worker(self._to_host, "grads", close_timeout_s=timeout_s)
+    self.optimizer = Worker(self._update, "optimizer", close_timeout_s=timeout_s)
 
   # -- caller side -----------------------------------------------------------
 
@@ -268,22 +282,28 @@ class GradientPipeline:
     """Lets queued jobs finish and stops both threads.
 
     Returns:
-      The first error either thread met, or None.
+      The first error either thread met, or None (the threads keep no reference).
     """
     self.to_host.close()
     self.optimizer.close()
-    return self.to_host.error or self.optimizer.error
+    error = self.to_host.error or self.optimizer.error
+    self.to_host.forget_error()
+    self.optimizer.forget_error()
+    return error
 
   # -- the threads -----------------------------------------------------------
 
-  def _to_host(self, job: GradJob) -> None:
+  def _to_host(self, box: list) -> None:
+    job: GradJob = box.pop()
     t0 = time.perf_counter()
-    grad = self.transport.d2h(job.grad)
+    on_host = job._replace(grad=self.transport.d2h(job.grad))
+    del job  # the device gradient is free once on the host
     self.d2h_s += time.perf_counter() - t0
-    self.ledger.remove(("grad", job.unit))
-    self.optimizer.submit(job._replace(grad=grad), timeout_s=None)
+    self.ledger.remove(("grad", on_host.unit))
+    self.optimizer.submit(on_host, timeout_s=None)
 
-  def _update(self, job) -> None:
+  def _update(self, box: list) -> None:
+    job = box.pop()
     t0 = time.perf_counter()
     try:
       if isinstance(job, UpdateAllJob):

@@ -7,6 +7,7 @@ trainer invalid once, here; every later call refuses with the original error nam
 
 from __future__ import annotations
 
+import traceback
 from typing import Callable
 
 from absl import logging
@@ -51,7 +52,9 @@ class Health:
     if isinstance(e, Exception) and not isinstance(e, FloatingPointError):
       e.add_note(f"The StreamingTrainer failed during {during}; its host state may be "
                  "half-updated, so it is now invalid: resume from the last checkpoint.")
-    self._rt.shutdown()
+    cause = self._rt.shutdown()
+    if cause is not None and cause is not e and isinstance(e, Exception):
+      e.add_note(f"An engine thread had failed first: {type(cause).__name__}: {cause}")
 
   def late_error(self) -> FloatingPointError | None:
     """The non-finite gradient the last step's updates found after it returned.
@@ -85,6 +88,7 @@ class Health:
     self.check_usable()
     try:
       self._rt.pipeline.wait()
+      self._rt.prefetcher.check()
     except BaseException as e:
       self.fail(e)
       raise
@@ -101,6 +105,10 @@ class Health:
       return
     self.closed = True
     error = self._rt.shutdown() or self.late_error()
+    if self.error is not None:
+      # The steps that raised it have returned: their frames (device arrays, the
+      # trainer) need not stay alive with the error.
+      traceback.clear_frames(self.error.__traceback__)
     if error is not None and self.error is None:
       self.error = error
       raise error

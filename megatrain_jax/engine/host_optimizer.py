@@ -476,6 +476,7 @@ class HostOptimizer:
       name: a unit index, or "optimizer".
       arrays: laid out as `state_layout(name)` says (the caller checked that).
     """
+    self._donating([name])  # a snapshot still being written keeps the old part
     put = lambda x: jax.device_put(np.asarray(x), self.host_sharding)
     if name == "optimizer":
       leaves, treedef = jax.tree.flatten(self.state)

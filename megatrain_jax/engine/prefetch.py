@@ -50,6 +50,12 @@ class Ledger:
     with self._lock:
       self.current -= self._live.pop(key, 0)
 
+  def clear(self) -> None:
+    """Counts nothing any more (the runtime is shut down)."""
+    with self._lock:
+      self._live.clear()
+      self.current = 0
+
   def reset_peak(self) -> None:
     """Starts a new peak from the current bytes."""
     with self._lock:
@@ -91,7 +97,8 @@ class Prefetcher:
   the link keeps working while the last updates of the step before finish.
   """
 
-  def __init__(self, fetch: Callable[[int, int], jax.Array], depth: int, hold: int,
+  def __init__(self, fetch: Callable[[int, int, float | None], jax.Array], depth: int,
+               hold: int,
                ledger: Ledger, timeout_s: float,
                ready: Callable[[int, int], bool] | None = None):
     self._fetch, self.depth, self._hold = fetch, depth, hold
@@ -184,9 +191,9 @@ class Prefetcher:
         return True
       return False
 
-  def _fetch_into_slot(self, u: int, key, tag: int):
+  def _fetch_into_slot(self, u: int, key, tag: int, deadline: float | None = None):
     t0 = time.perf_counter()
-    arr = self._fetch(u, tag)
+    arr = self._fetch(u, tag, deadline)
     self.busy_s += time.perf_counter() - t0
     self.bytes_for[tag] += arr.nbytes
     self._ledger.add(key, arr.nbytes)
@@ -229,7 +236,10 @@ class Prefetcher:
         self._deliver(job.id, n, arr)
         pending.pop(0)
         continue
-      ahead = next((p for p in pending[1:] if ready(p)), None)
+      # Out of order only within the in-order fetch's reach (what it would fetch
+      # next anyway): the memory model counts buffers around the compute's position.
+      reach = n + job.limit(n)
+      ahead = next((p for p in pending[1:] if p < reach and ready(p)), None)
       if ahead is not None and self._try_spare_slot(self._limit(job, ahead)):
         self.out_of_order += 1
         arr = self._fetch_into_slot(job.order[ahead], ("param", job.id, ahead), job.tag)
@@ -255,6 +265,16 @@ class Prefetcher:
     """
     if self._error is not None:
       raise self._error
+
+  def take_error(self) -> BaseException | None:
+    """Takes what stopped the prefetch thread, forgotten here so that its traceback
+    keeps no frame alive.
+
+    Returns:
+      The exception, or None if nothing did.
+    """
+    error, self._error = self._error, None
+    return error
 
   def start(self, order, tag: int = 0, limit: Callable[[int], int] | None = None) -> None:
     """Queues a schedule for step `tag`; `get` takes its units in order, after those
@@ -327,7 +347,7 @@ class Prefetcher:
     deadline = time.monotonic() + self._timeout
     if self._thread is None:
       self._acquire_slot(job, n, deadline)
-      return self._fetch_into_slot(u, key, job.tag), key
+      return self._fetch_into_slot(u, key, job.tag, deadline), key
     with self._cond:
       while (job.id, n) not in self._arrived:
         self.check()

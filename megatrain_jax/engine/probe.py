@@ -126,8 +126,8 @@ def probe(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
   """Whether `optimizer` applied unit by unit equals it applied to the whole tree.
 
   Runs both ways on miniature trees with random gradients whose scale differs
-  from unit to unit and from step to step (so that any norm-based clipping
-  engages, by different factors per unit than over the whole tree).
+  from unit to unit and from step to step, from 1e-1 to 1e8 (so that any norm-based
+  clipping engages, by different factors per unit than over the whole tree).
 
   Args:
     optimizer: the transform.
@@ -157,7 +157,8 @@ def probe(optimizer: optax.GradientTransformation, unit_trees: Sequence[Any],
   except Exception as e:  # pylint: disable=broad-except
     return Verdict(False, f"it fails on a single unit's tree ({type(e).__name__}: {e})")
   for step in range(1, max_steps + 1):
-    grads = [_fill(t, rng, float(10 ** rng.uniform(-1, 3))) for t in unit_trees]
+    # Scales up to 1e8: a global-norm clip engages whatever its threshold.
+    grads = [_fill(t, rng, float(10 ** rng.uniform(-1, 8))) for t in unit_trees]
     try:
       upd_whole, state = update(assemble(grads), state, whole)
     except Exception as e:  # pylint: disable=broad-except

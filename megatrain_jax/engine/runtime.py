@@ -7,6 +7,7 @@ down (threads stopped, device buffers freed) and the host state goes with it.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, Callable
 
@@ -57,14 +58,23 @@ class Runtime:
     self.start()
 
   def start(self) -> None:
-    """Starts (or, after a failure, restarts) the prefetch and gradient threads."""
+    """Starts (or, after a failure, restarts) the prefetch and gradient threads, and
+    puts the resident units on the device.
+
+    Raises:
+      What placing the resident units met (the threads are stopped again).
+    """
     self.prefetcher = Prefetcher(self.fetch, self.ec.prefetch_depth, self.schedule.held,
                                  self.ledger, self.ec.timeout_s, ready=self.ready)
     self.pipeline = GradientPipeline(self.host_opt, self.store, self.clock, self.transport,
                                      self.ledger, self.defer, self.ec.timeout_s,
                                      self._grad_hook)
-    self.store.place_resident(self.schedule.resident_units())
-    self.open = True
+    self.open = True  # from here on `shutdown` stops the threads
+    try:
+      self.store.place_resident(self.schedule.resident_units())
+    except BaseException:
+      self.shutdown()
+      raise
 
   # -- called by the prefetch thread -------------------------------------------
 
@@ -89,17 +99,18 @@ class Runtime:
     self._check_alive()
     return False
 
-  def fetch(self, u: int, step: int) -> jax.Array:
+  def fetch(self, u: int, step: int, deadline: float | None = None) -> jax.Array:
     """A unit's copy on the device, once its update of the step before is done.
 
     Args:
       u: the unit.
       step: the step the fetch is for.
+      deadline: a caller's `time.monotonic()` limit (None on the prefetch thread).
 
     Returns:
       The device array.
     """
-    self.clock.wait(u, step, self._check_alive)
+    self.clock.wait(u, step, self._check_alive, deadline, self.schedule.unit_name(u))
     return self.store.to_device(u)
 
   # -- called by the trainer ----------------------------------------------------
@@ -175,7 +186,7 @@ class Runtime:
     order = [key_of[u] for u in self.schedule.update_order(self.defer)]
     order += [k for k in self.state_keys() if k not in order]
     snap = Snapshot(order, lambda key: self.host_opt.copy_state(name_of[key]), max_copies,
-                    self.copies)
+                    self.copies, stall_s=self.ec.timeout_s)
 
     def before_donate(names):
       if snap.closed:
@@ -299,19 +310,28 @@ class Runtime:
       self.prefetcher.close()
     except BaseException as e:  # pylint: disable=broad-except
       error = e
-    error = self.pipeline.close() or error
+    pipeline_error, prefetch_error = self.pipeline.close(), self.prefetcher.take_error()
+    error = pipeline_error or prefetch_error or error
     self.store.free_device()
+    # Entries a failed step left (its activations, gradients never sent): nothing
+    # of this runtime is on the device any more.
+    self.ledger.clear()
     self.host_opt.close()
     return error
 
 
 def shutdown_quietly(runtime: Runtime) -> None:
   """The finalizer of a trainer dropped (or left at exit) without `close()`: shuts
-  the runtime down and logs a failure it had met.
+  the runtime down and logs a failure it had met. When the collection happens on one
+  of the engine's own threads, the shutdown (which joins them) runs on a new one.
 
   Args:
     runtime: the trainer's runtime.
   """
+  if threading.current_thread().name.startswith("megatrain-"):
+    threading.Thread(target=shutdown_quietly, args=(runtime,), name="shutdown",
+                     daemon=True).start()
+    return
   try:
     error = runtime.shutdown()
   except Exception as e:  # pylint: disable=broad-except

@@ -16,9 +16,11 @@ copy and every waiting update.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Protocol
 
 import numpy as np
+from absl import logging
 
 Arrays = dict[str, np.ndarray]
 
@@ -81,7 +83,8 @@ class Snapshot:
   """
 
   def __init__(self, keys: list[str], read: Callable[[str], Arrays],
-               max_copies: int | None = 1, counter: CopyCounter | None = None):
+               max_copies: int | None = 1, counter: CopyCounter | None = None,
+               stall_s: float = 600.0):
     """A snapshot of the parts `keys`, each read with `read(key)` while it is unchanged.
 
     Args:
@@ -90,6 +93,9 @@ class Snapshot:
       max_copies: parts an update may copy ahead of the writer (None: no bound;
         for a state that does not change, as `ResidentTrainer`'s copies).
       counter: counts the bytes of the copies waiting for the writer.
+      stall_s: an update waits this long for a writer that reads nothing; past it,
+        it copies the part anyway (beyond `max_copies`, logged), so that a snapshot
+        nobody reads never blocks training.
     """
     self.keys = list(keys)
     self._read, self._max = read, max_copies
@@ -99,6 +105,8 @@ class Snapshot:
     self._busy: set[str] = set()  # being read (by the writer or an update)
     self._taken: set[str] = set()
     self._closed = False
+    self._stall_s = stall_s
+    self._progress = 0  # parts the writer has taken
 
   @staticmethod
   def _nbytes(arrays: Arrays) -> int:
@@ -114,14 +122,23 @@ class Snapshot:
     """
     for k in keys:
       with self._cond:
+        seen, since = self._progress, time.monotonic()
         while True:
           if (self._closed or k in self._taken or k in self._copies
               or k not in self.keys):
             break
-          if k not in self._busy and (self._max is None or len(self._copies) < self._max):
+          stalled = time.monotonic() - since > self._stall_s
+          if k not in self._busy and (self._max is None or len(self._copies) < self._max
+                                      or stalled):
+            if stalled:
+              logging.warning("The checkpoint writer read no part in %.0f s: copying %s "
+                              "beyond the snapshot's bound of %s.", self._stall_s, k,
+                              self._max)
             self._busy.add(k)
             break
-          self._cond.wait()
+          self._cond.wait(min(self._stall_s, 1.0))
+          if self._progress != seen:
+            seen, since = self._progress, time.monotonic()
         if k not in self._busy:
           continue
       arrays = self._read(k)
@@ -152,6 +169,7 @@ class Snapshot:
         arrays = self._copies.pop(key)
         self._counter.add(-self._nbytes(arrays))
         self._taken.add(key)
+        self._progress += 1
         self._cond.notify_all()
         return arrays
       if self._closed:
@@ -163,6 +181,7 @@ class Snapshot:
       with self._cond:
         self._busy.discard(key)
         self._taken.add(key)
+        self._progress += 1
         self._cond.notify_all()
 
   def close(self) -> None:

@@ -56,10 +56,9 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     pf.start(schedule.fetch_order, guard.step + 1, schedule.limit)
 
   def get(u: int):
-    arr = rt.store.resident(u)
-    if arr is not None:
-      rt.await_update(u, guard.step)
-      return arr, None
+    if u in rt.schedule.resident_units():
+      rt.await_update(u, guard.step)  # then read the copy its update made
+      return rt.store.resident(u), None
     return pf.get(u)
 
   def release(key, token):
@@ -82,12 +81,14 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     x = tpl.block_fwd(p, x)
     ledger.add("x", act_bytes)
     release(key, x)
+  p = None  # a released buffer must not stay alive through the backward
 
   p_h, key_h = get(schedule.head)
   p_e, key_e = get(schedule.embed) if schedule.tied else (None, None)
   loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, x, labels, mask, scale)
   release(key_h, g)
   release(key_e, g)
+  p_h = p_e = None
   ledger.add("g", act_bytes)
   guard.loss_parts.append(loss_sum)  # before any gradient: updates wait for it
   if g_e is not None:
@@ -105,6 +106,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     for j in reversed(range(e - s)):
       g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g)
       release(params[j][1], g)
+      params[j], xs[j] = None, None  # released: nothing keeps them alive
       ledger.add(("grad", 1 + s + j), g_p.nbytes)
       if s + j:
         send(1 + s + j, g_p, finite)
@@ -112,6 +114,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
         layer0 = (g_p, finite)  # held until the embedding's gradient has left
       ledger.remove(("recompute", j))
     ledger.remove(("ckpt", s))
+    params = xs = None
   g_embed, finite = tpl.embed_bwd(ids, g, g_e)
   ledger.remove("x")
   ledger.remove("g")

@@ -154,6 +154,7 @@ class StreamingTrainer:
       if err is not None:
         if not guard.updated:  # nothing was applied: the caller may fix it and retry
           self._steps -= 1
+          rt.clock.reset(self._steps)  # the refused units are not as of this step
           self._cancel_prefetch()
         raise err
       out["skipped"] = True
@@ -202,7 +203,11 @@ class StreamingTrainer:
   def _cancel_prefetch(self) -> None:
     """Drops fetches started for the next step (the state changes outside a step)."""
     if self._next_started is not None and self._rt.open:
-      self._rt.prefetcher.cancel()
+      try:
+        self._rt.prefetcher.cancel()
+      except BaseException as e:
+        self._health.fail(e)
+        raise
     self._next_started = None
 
   def wait(self) -> None:
@@ -242,11 +247,6 @@ class StreamingTrainer:
     return self._steps
 
   @property
-  def n_units(self) -> int:
-    """Units of the model (embedding, blocks, head)."""
-    return self.schedule.n_units
-
-  @property
   def host_optimizer(self) -> HostOptimizer:
     """The host store: masters, optimizer state and their parts."""
     return self._rt.host_opt
@@ -267,7 +267,7 @@ class StreamingTrainer:
     Returns:
       A tree of numpy arrays, the model's layout.
     """
-    return llama.assemble_units([self.unit_params(u) for u in range(self.n_units)])
+    return llama.assemble_units([self.unit_params(u) for u in range(self.schedule.n_units)])
 
   def unit_params(self, u: int) -> dict[str, Any]:
     """One unit's fp32 master parameters, once the last updates are done.
@@ -332,9 +332,10 @@ class StreamingTrainer:
     self._steps = int(step_count)
     if revive:
       rt.start()
+    rt.remake_copies()
+    if revive:  # every part and copy is the restored state's
       health.error, self._next_started = None, None
       health.late = nonfinite.StepGuard(step=self._steps)
-    rt.remake_copies()
 
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times.
