@@ -7,7 +7,7 @@ modules that pull in more (`mt.hf`, `mt.checkpoint`, `mt.planner`, `mt.train`,
 
 import importlib
 
-from megatrain_jax.models import Llama, LlamaConfig, PRESETS, preset
+from megatrain_jax.models import Llama, LlamaConfig, PRESETS, RopeScaling, preset
 from megatrain_jax.models.batch import check_batch
 from megatrain_jax.resident import ResidentTrainer
 from megatrain_jax.engine import (DeviceTransport, EngineConfig, SimulatedLink,

@@ -1,4 +1,4 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2 and Mistral safetensors on local disk.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Mistral safetensors on local disk.
 
     cfg, model = mt.hf.from_pretrained("path/to/dir")        # NNX model
     trainer = mt.hf.streaming_trainer("path/to/dir", optax.adamw(1e-5))
@@ -8,18 +8,16 @@ Every tensor's shape and dtype is checked against config.json from the file
 headers before anything is read or built. Reading then goes tensor by tensor with
 numpy (`safetensors_reader`: bf16 and fp16 converted exactly, no PyTorch), one
 unit at a time, so a checkpoint larger than the accelerator loads straight into
-the streaming engine's host store. `config.json` is mapped key by
-key: every key either maps onto `LlamaConfig`, is on the list of keys that do
-not change the model's math, or has a value checked to be the one this
-implementation computes. Anything else is refused with the whole list of what
-is not implemented, never silently dropped.
+the streaming engine's host store. `config.json` is mapped key by key
+(`megatrain_jax.hf_config`): what is not implemented is refused with the whole
+list, never silently dropped.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -31,120 +29,14 @@ from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.llama import Llama, Params
+from megatrain_jax.hf_config import (ARCHITECTURES, NO_MATH_KEYS, config_from_hf,
+                                     hf_config, read_config)
 from megatrain_jax.resident import ResidentTrainer
 from megatrain_jax.safetensors_reader import TensorInfo, checkpoint_tensors, read_tensor
 
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "MistralForCausalLM": "mistral"}
-
-# config.json keys that describe tokens, caching, training-time init or bookkeeping.
-NO_MATH_KEYS = frozenset({
-    "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
-    "use_cache", "initializer_range", "dtype", "torch_dtype", "transformers_version",
-    "_name_or_path", "output_attentions", "output_hidden_states", "return_dict",
-    "tokenizer_class", "max_window_layers", "generation_config", "vocab_file",
-    "id2label", "label2id", "problem_type", "is_decoder", "use_return_dict",
-})
-
-# Keys whose value is checked against what this implementation computes.
-_CHECKS: dict[str, tuple[Callable[[Any, dict], bool], str]] = {
-    "hidden_act": (lambda v, c: v in ("silu", "swish"), "only SiLU is implemented"),
-    "attention_dropout": (lambda v, c: not v, "attention dropout is not implemented"),
-    "pretraining_tp": (lambda v, c: v in (None, 1), "tensor-parallel slicing of the "
-                       "MLP (pretraining_tp > 1) is not implemented"),
-    "mlp_bias": (lambda v, c: not v, "MLP biases are not implemented"),
-    "attention_bias": (lambda v, c: not v, "attention biases on Llama/Mistral "
-                       "(including the output projection) are not implemented"),
-    "rope_scaling": (lambda v, c: v is None or v.get("rope_type", v.get("type")) == "default",
-                     "rope scaling is not implemented"),
-    "use_sliding_window": (lambda v, c: not v, "sliding-window attention is not "
-                           "implemented"),
-    "sliding_window": (lambda v, c: v is None or c.get("use_sliding_window") is False
-                       or v >= c.get("max_position_embeddings", 0),
-                       "an active sliding window (shorter than max_position_embeddings) "
-                       "is not implemented"),
-    "layer_types": (lambda v, c: all(t == "full_attention" for t in v),
-                    "only full attention is implemented"),
-    "head_dim": (lambda v, c: v is None or v * c["num_attention_heads"] == c["hidden_size"],
-                 "head_dim must equal hidden_size / num_attention_heads"),
-    "rope_parameters": (lambda v, c: v.get("rope_type", "default") == "default"
-                        and set(v) <= {"rope_type", "rope_theta"},
-                        "only the default rope type is implemented"),
-}
-
-_MAPPED = {"vocab_size": "vocab_size", "hidden_size": "d_model",
-           "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
-           "num_key_value_heads": "n_kv_heads", "intermediate_size": "d_ff",
-           "max_position_embeddings": "max_seq_len", "rms_norm_eps": "norm_eps",
-           "tie_word_embeddings": "tie_embeddings", "rope_theta": "rope_theta"}
-
-
-def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
-  """The model config of a config.json dict.
-
-  Args:
-    hf: config.json's contents.
-
-  Returns:
-    (LlamaConfig, architecture: "llama", "qwen2" or "mistral").
-
-  Raises:
-    ValueError: listing every key or value this implementation does not handle.
-  """
-  archs = hf.get("architectures") or []
-  arch = next((ARCHITECTURES[a] for a in archs if a in ARCHITECTURES), None)
-  if arch is None:
-    arch = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}.get(hf.get("model_type"))
-  problems = []
-  if arch is None:
-    problems.append(f"architectures={archs} / model_type={hf.get('model_type')!r}: only "
-                    f"{sorted(ARCHITECTURES)} are implemented")
-  for key, value in hf.items():
-    if key in _MAPPED or key in NO_MATH_KEYS:
-      continue
-    if key in _CHECKS:
-      ok, why = _CHECKS[key]
-      if value is not None and not ok(value, hf):
-        problems.append(f"{key}={value!r}: {why}")
-      continue
-    problems.append(f"{key}={value!r}: unknown key")
-  if problems:
-    raise ValueError("This config.json uses what megatrain_jax does not implement:\n  "
-                     + "\n  ".join(problems))
-  rope = hf.get("rope_parameters") or {}
-  kw = {ours: hf[theirs] for theirs, ours in _MAPPED.items() if theirs in hf}
-  kw["rope_theta"] = float(rope.get("rope_theta", hf.get("rope_theta", 10000.0)))
-  kw.setdefault("n_kv_heads", hf["num_attention_heads"])
-  kw["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-  kw["qkv_bias"] = arch == "qwen2"
-  kw["norm_eps"] = float(kw.get("norm_eps", 1e-6))
-  return LlamaConfig(**kw), arch
-
-
-def read_config(local_dir: str) -> tuple[LlamaConfig, str, dict[str, Any]]:
-  """The model config of a checkpoint directory's config.json.
-
-  Args:
-    local_dir: the directory.
-
-  Returns:
-    (LlamaConfig, architecture, the config.json dict).
-
-  Raises:
-    FileNotFoundError: no config.json.
-    ValueError: config.json is not JSON, or uses what is not implemented.
-  """
-  path = os.path.join(local_dir, "config.json")
-  if not os.path.exists(path):
-    raise FileNotFoundError(f"{path} does not exist: pass a directory holding a Hugging "
-                            "Face checkpoint (config.json and *.safetensors).")
-  try:
-    with open(path, encoding="utf-8") as f:
-      hf = json.load(f)
-  except ValueError as e:
-    raise ValueError(f"{path} is not valid JSON ({e}).") from None
-  cfg, arch = config_from_hf(hf)
-  return cfg, arch, hf
+__all__ = ["ARCHITECTURES", "NO_MATH_KEYS", "block_tensor_names", "check_checkpoint",
+           "config_from_hf", "from_pretrained", "hf_config", "load_units", "read_config",
+           "save_pretrained", "streaming_trainer", "tree_get"]
 
 
 # -- tensor names -----------------------------------------------------------------
@@ -166,6 +58,9 @@ def block_tensor_names(i: int, cfg: LlamaConfig) -> dict[str, tuple[tuple[str, .
     names[f"{pre}self_attn.{theirs}.weight"] = (("attn", ours, "kernel"), True)
     if cfg.qkv_bias and ours != "o":
       names[f"{pre}self_attn.{theirs}.bias"] = (("attn", ours, "bias"), False)
+  if cfg.qk_norm:
+    for ours in ("q_norm", "k_norm"):
+      names[f"{pre}self_attn.{ours}.weight"] = (("attn", ours, "scale"), False)
   for ours in ("gate", "up", "down"):
     names[f"{pre}mlp.{ours}_proj.weight"] = (("mlp", ours, "kernel"), True)
   return names
@@ -304,7 +199,7 @@ def load_units(local_dir: str, cfg: LlamaConfig | None = None) -> Iterator[Param
 
 def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
                       config: EngineConfig | None = None, **kw) -> StreamingTrainer:
-  """A `StreamingTrainer` over a Llama / Qwen2 / Mistral checkpoint, loaded unit by unit
+  """A `StreamingTrainer` over a Llama / Qwen2 / Qwen3 / Mistral checkpoint, loaded unit by unit
   into the host store (the model is never whole on the device).
 
   Args:
@@ -325,7 +220,7 @@ def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
 
 
 def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Llama]:
-  """An NNX model from a local Llama / Qwen2 / Mistral checkpoint directory.
+  """An NNX model from a local Llama / Qwen2 / Qwen3 / Mistral checkpoint directory.
 
   To train a model bigger than the device, use `streaming_trainer` instead, which
   never builds the whole model on the device.
@@ -363,49 +258,6 @@ def _unit_trees(obj) -> Iterator[Params]:
   else:
     raise TypeError(f"save_pretrained takes a Llama, a trainer or a parameter tree, got "
                     f"{type(obj).__name__}.")
-
-
-def hf_config(cfg: LlamaConfig, architecture: str | None = None,
-              extra: dict[str, Any] | None = None) -> dict[str, Any]:
-  """The config.json of a model.
-
-  Args:
-    cfg: the model.
-    architecture: "llama", "qwen2" or "mistral" (default: qwen2 with q/k/v biases,
-      else llama).
-    extra: a source config.json, whose keys that do not change the math (token
-      ids and such) are kept.
-
-  Returns:
-    config.json's contents.
-
-  Raises:
-    ValueError: an unknown architecture, or q/k/v biases on one without them.
-  """
-  arch = architecture or ("qwen2" if cfg.qkv_bias else "llama")
-  if arch not in ARCHITECTURES.values():
-    raise ValueError(f"architecture={arch!r} is not one of {sorted(ARCHITECTURES.values())}.")
-  if cfg.qkv_bias != (arch == "qwen2"):
-    raise ValueError(f"qkv_bias={cfg.qkv_bias} cannot be written as {arch}: only Qwen2 "
-                     "has q/k/v biases.")
-  name = {v: k for k, v in ARCHITECTURES.items()}[arch]
-  out = {"architectures": [name], "model_type": arch, "vocab_size": cfg.vocab_size,
-         "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-         "rope_theta": cfg.rope_theta,
-         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu",
-         "attention_dropout": 0.0, "torch_dtype": "float32", "use_cache": True}
-  if arch == "llama":
-    out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-  else:
-    out.update(sliding_window=None, use_sliding_window=False)
-  for k, v in (extra or {}).items():
-    if k in NO_MATH_KEYS and k not in ("architectures", "model_type"):
-      out[k] = v
-  return out
 
 
 def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,

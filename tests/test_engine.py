@@ -48,6 +48,11 @@ CASES = {
     "tied_resident_ends": (BASE.replace(tie_embeddings=True), ADAMW,
                            dict(stream_embed_head=False)),
     "qkv_bias": (BASE.replace(qkv_bias=True), ADAMW, {}),
+    # Qwen3's query/key norms and own head width, Llama 3's rotary scaling.
+    "qk_norm_head_dim_rope": (BASE.replace(
+        qk_norm=True, attn_head_dim=16, rope_scaling=mt.RopeScaling(
+            rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+            original_max_position_embeddings=8)), ADAMW, {}),
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),

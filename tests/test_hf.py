@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -26,6 +27,20 @@ CASES = {
     "qwen2_qkv_bias": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {}),
     # Mistral's default sliding window (4096) is longer than any sequence here: inactive.
     "mistral": ("MistralConfig", "MistralForCausalLM", "mistral", {}),
+    # A head wider than hidden_size / heads (Mistral-Nemo's shape).
+    "mistral_head_dim": ("MistralConfig", "MistralForCausalLM", "mistral", {"head_dim": 16}),
+    # Qwen3: its own head width and RMS norms on queries and keys.
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {"head_dim": 16}),
+    # Rotary scalings, with a pretraining context short enough to matter at 24 tokens.
+    "llama3_rope": ("LlamaConfig", "LlamaForCausalLM", "llama", {"rope_parameters": {
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16}}),
+    "llama_linear_rope": ("LlamaConfig", "LlamaForCausalLM", "llama", {"rope_parameters": {
+        "rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    "llama_yarn_rope": ("LlamaConfig", "LlamaForCausalLM", "llama", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+        "original_max_position_embeddings": 16}}),
 }
 
 
@@ -84,8 +99,9 @@ def test_loss_and_layer_gradient_match_autograd(checkpoint):
   ref_loss.backward()
   np.testing.assert_allclose(loss, ref_loss.item(), rtol=1e-4)
   params = dict(ref.named_parameters())
-  names = hf.block_tensor_names(1, cfg)  # every tensor of layer 1, biases included for Qwen2
-  assert len(names) == (12 if case == "qwen2_qkv_bias" else 9)
+  names = hf.block_tensor_names(1, cfg)  # every tensor of layer 1, biases and norms too
+  assert len(names) == {"qwen2_qkv_bias": 12, "qwen3": 11}.get(case, 9)
+  assert set(names) == {n for n in params if n.startswith("model.layers.1.")}
   for name, (path, transpose) in names.items():
     want = params[name].grad.numpy()
     got = np.asarray(hf.tree_get(grads["blocks"][1], path))
@@ -103,6 +119,31 @@ def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path)
   ids = _batch(2)["input_ids"]
   np.testing.assert_allclose(_torch_logits(reloaded, ids), _torch_logits(ref, ids),
                              rtol=0, atol=1e-4)
+
+
+def test_export_round_trips_bit_for_bit(checkpoint, tmp_path):
+  case, d, _ = checkpoint
+  cfg, model = hf.from_pretrained(d)
+  _, arch, _ = hf.read_config(d)
+  out = str(tmp_path / "export")
+  hf.save_pretrained(model, cfg, out, architecture=arch)
+  cfg2, model2 = hf.from_pretrained(out)
+  assert cfg2 == cfg
+  jax.tree.map(np.testing.assert_array_equal, model2.param_tree(), model.param_tree())
+
+
+def test_rope_scalings_are_read_into_the_config():
+  base = json.loads(_hf_model("llama3_rope").config.to_json_string())  # as on disk
+  cfg, _ = hf.config_from_hf(base)
+  assert cfg.rope_scaling == mt.RopeScaling(
+      rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+      original_max_position_embeddings=16)
+  assert cfg.rope_theta == 500000.0
+  old_style = {k: v for k, v in base.items() if k != "rope_parameters"}
+  old_style.update(rope_theta=500000.0, rope_scaling={  # transformers 4's layout
+      "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 16})
+  assert hf.config_from_hf(old_style)[0] == cfg
 
 
 def test_sharded_checkpoint_streams_without_the_model_on_the_device(tmp_path):
@@ -136,9 +177,11 @@ def test_older_top_level_rope_theta_is_read():
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
-     "only the default rope type"),
-    ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope scaling is not implemented"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     "dynamic NTK scaling"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                          "frobnicate": 1}}, "with ['frobnicate']: not implemented"),
+    ({"partial_rotary_factor": 0.5}, "partial rotary embeddings"),
     ({"sliding_window": 16}, "an active sliding window"),
     ({"hidden_act": "gelu"}, "only SiLU"),
     ({"attention_bias": True}, "attention biases"),

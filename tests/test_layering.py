@@ -10,7 +10,7 @@ import pytest
 
 from import_graph import PKG, package_graph, parse, py_files, reachable
 
-ABOVE_ENGINE = ("hf", "checkpoint", "data", "train", "planner", "bench", "figures",
+ABOVE_ENGINE = ("hf", "hf_config", "checkpoint", "data", "train", "planner", "bench", "figures",
                 "safetensors_reader", "config_flags")
 GRAPH = package_graph()
 

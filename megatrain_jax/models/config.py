@@ -1,18 +1,29 @@
-"""One parameterized config for the Llama family (Llama, Qwen2, Mistral)."""
+"""One parameterized config for the Llama family (Llama 2/3, Qwen2, Qwen3, Mistral)."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
+from megatrain_jax.models.rope import RopeScaling
+
+# Fields added after checkpoints were first written: `to_dict` leaves them out at their
+# defaults, so that settings recorded before them still compare equal on resume.
+_LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm")
+
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
   """Shape of a decoder-only Llama-family model.
 
-  Qwen2 is `qkv_bias=True`; Mistral (without an active sliding window) and Llama
-  are the defaults. Every field is validated at construction, so a bad value fails
-  here, naming the field, and not deep inside a JAX trace.
+  Qwen2 is `qkv_bias=True`; Qwen3 is `qk_norm=True` with its own `attn_head_dim`;
+  Llama 3.1 and later use `rope_scaling`; Mistral (without an active sliding window)
+  and Llama 2 are the defaults. Every field is validated at construction, so a bad
+  value fails here, naming the field, and not deep inside a JAX trace.
+
+  `attn_head_dim` is the width of one attention head (None: d_model // n_heads; the
+  `head_dim` property is the width in use). `qk_norm` adds an RMS norm over each head
+  of the queries and keys before the rotary embedding.
   """
 
   vocab_size: int = 260
@@ -26,6 +37,9 @@ class LlamaConfig:
   norm_eps: float = 1e-5
   tie_embeddings: bool = False
   qkv_bias: bool = False
+  attn_head_dim: int | None = None
+  rope_scaling: RopeScaling | None = None
+  qk_norm: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -39,10 +53,19 @@ class LlamaConfig:
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(
             f"LlamaConfig.{name} must be a positive number, got {value!r}.")
-    if self.d_model % self.n_heads:
+    if self.attn_head_dim is not None and (
+        isinstance(self.attn_head_dim, bool) or not isinstance(self.attn_head_dim, int)
+        or self.attn_head_dim <= 0):
+      raise ValueError(f"LlamaConfig.attn_head_dim must be a positive integer or None, "
+                       f"got {self.attn_head_dim!r}.")
+    if self.attn_head_dim is None and self.d_model % self.n_heads:
       raise ValueError(
           f"LlamaConfig.d_model={self.d_model} is not divisible by "
-          f"n_heads={self.n_heads}; choose n_heads dividing d_model.")
+          f"n_heads={self.n_heads}; choose n_heads dividing d_model, or set "
+          "attn_head_dim.")
+    if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+      raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got "
+                       f"{type(self.rope_scaling).__name__}.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
@@ -50,12 +73,13 @@ class LlamaConfig:
           "n_kv_heads to divide n_heads.")
     if self.head_dim % 2:
       raise ValueError(
-          f"LlamaConfig head dim d_model/n_heads={self.head_dim} is odd; rotary "
-          "embeddings rotate pairs of features and need an even head dim.")
+          f"LlamaConfig head dim {self.head_dim} is odd; rotary embeddings rotate pairs "
+          "of features and need an even head dim.")
 
   @property
   def head_dim(self) -> int:
-    return self.d_model // self.n_heads
+    """The width of one attention head."""
+    return self.attn_head_dim or self.d_model // self.n_heads
 
   def replace(self, **changes: Any) -> "LlamaConfig":
     """A copy with some fields changed (and validated again).
@@ -69,24 +93,30 @@ class LlamaConfig:
     return dataclasses.replace(self, **changes)
 
   def to_dict(self) -> dict[str, Any]:
-    """The fields as a dict.
+    """The fields as a dict (JSON-ready; what a checkpoint records).
 
     Returns:
-      Field name -> value.
+      Field name -> value; the fields added later are left out at their defaults.
     """
-    return dataclasses.asdict(self)
+    out = dataclasses.asdict(self)
+    for name in _LATER_FIELDS:
+      if out[name] in (None, False):
+        del out[name]
+    return out
 
   def block_param_count(self) -> int:
     """Parameters of one decoder block.
 
     Returns:
-      The count: attention (with biases if any), MLP and the two norms.
+      The count: attention (with biases and q/k norms if any), MLP and the two norms.
     """
     d, hd = self.d_model, self.head_dim
     q, kv = self.n_heads * hd, self.n_kv_heads * hd
     attn = d * q + 2 * d * kv + q * d
     if self.qkv_bias:
       attn += q + 2 * kv
+    if self.qk_norm:
+      attn += 2 * hd
     mlp = 3 * d * self.d_ff
     return attn + mlp + 2 * d
 

@@ -18,13 +18,16 @@ get the same values the NNX model would.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from megatrain_jax.models import rope
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.rope import RopeScaling
 
 Params = dict[str, Any]
 INIT_STD = 0.02
@@ -86,14 +89,18 @@ def init_block(cfg: LlamaConfig, key: jax.Array) -> Params:
       p["bias"] = jnp.zeros((n_out,), jnp.float32)
     return p
 
+  attn = {
+      "q": dense(kq, d, q_dim, cfg.qkv_bias),
+      "k": dense(kk, d, kv_dim, cfg.qkv_bias),
+      "v": dense(kv, d, kv_dim, cfg.qkv_bias),
+      "o": dense(ko, q_dim, d),
+  }
+  if cfg.qk_norm:
+    attn["q_norm"] = {"scale": jnp.ones((hd,), jnp.float32)}
+    attn["k_norm"] = {"scale": jnp.ones((hd,), jnp.float32)}
   return {
       "attn_norm": {"scale": jnp.ones((d,), jnp.float32)},
-      "attn": {
-          "q": dense(kq, d, q_dim, cfg.qkv_bias),
-          "k": dense(kk, d, kv_dim, cfg.qkv_bias),
-          "v": dense(kv, d, kv_dim, cfg.qkv_bias),
-          "o": dense(ko, q_dim, d),
-      },
+      "attn": attn,
       "mlp_norm": {"scale": jnp.ones((d,), jnp.float32)},
       "mlp": {
           "gate": dense(kg, d, cfg.d_ff),
@@ -175,22 +182,30 @@ def rms_norm(x_BxTxD, scale_D, eps):
   return (y * scale_D.astype(jnp.float32)).astype(x_BxTxD.dtype)
 
 
-def rotary(x_BxTxHxK, positions_T, theta):
+@functools.lru_cache(maxsize=64)
+def _frequencies(head_dim: int, theta: float, scaling: RopeScaling | None):
+  return rope.frequencies(head_dim, theta, scaling)
+
+
+def rotary(x_BxTxHxK, positions_T, theta, scaling: RopeScaling | None = None):
   """Rotary embedding, half-split layout (as in Hugging Face Llama).
 
   Args:
     x_BxTxHxK: queries or keys, per head.
     positions_T: the position of each token.
     theta: the rotary base (`rope_theta`).
+    scaling: the rotary scaling (`models.rope`), or None.
 
   Returns:
     `x` rotated, in its dtype (computed in fp32).
   """
   k = x_BxTxHxK.shape[-1]
-  inv_freq = 1.0 / (theta ** (jnp.arange(0, k, 2, dtype=jnp.float32) / k))
-  angles_TxK2 = positions_T.astype(jnp.float32)[:, None] * inv_freq[None, :]
+  inv_freq, attention_scale = _frequencies(k, float(theta), scaling)
+  angles_TxK2 = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
   cos = jnp.cos(angles_TxK2)[None, :, None, :]
   sin = jnp.sin(angles_TxK2)[None, :, None, :]
+  if attention_scale != 1.0:  # yarn scales cos and sin
+    cos, sin = cos * attention_scale, sin * attention_scale
   x32 = x_BxTxHxK.astype(jnp.float32)
   x1, x2 = x32[..., : k // 2], x32[..., k // 2:]
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -209,7 +224,7 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
 
   Args:
     cfg: the model.
-    p: the block's "attn" tree, {q, k, v, o}.
+    p: the block's "attn" tree, {q, k, v, o} (and q_norm, k_norm with `qk_norm`).
     x_BxTxD: the normalised activations.
     positions_T: the position of each token.
 
@@ -221,8 +236,11 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
   q = _dense(p["q"], x_BxTxD).reshape(b, t, cfg.n_heads, hd)
   k = _dense(p["k"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
   v = _dense(p["v"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
-  q = rotary(q, positions_T, cfg.rope_theta)
-  k = rotary(k, positions_T, cfg.rope_theta)
+  if cfg.qk_norm:  # Qwen3: an RMS norm over each head, before the rotation
+    q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
+    k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
+  q = rotary(q, positions_T, cfg.rope_theta, cfg.rope_scaling)
+  k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
   # Grouped-query attention: jax.nn.dot_product_attention takes K/V with fewer
   # heads than Q when n_kv_heads divides n_heads.
   o = jax.nn.dot_product_attention(q, k, v, is_causal=True)

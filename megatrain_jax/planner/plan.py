@@ -69,8 +69,8 @@ def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
   """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   tokens = (batch_size // ec.grad_accum) * seq_len
-  kv = cfg.n_kv_heads * cfg.head_dim
-  per_token = 2 * cfg.d_model + cfg.d_model + 2 * kv + cfg.d_model + 3 * cfg.d_ff
+  q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+  per_token = 2 * cfg.d_model + q + 2 * kv + q + 3 * cfg.d_ff
   out = 2 * tokens * per_token * cd
   if not flash_attention:
     out += 2 * (batch_size // ec.grad_accum) * cfg.n_heads * seq_len * seq_len * 4
@@ -271,6 +271,6 @@ def config_from_hf_json(path: str) -> LlamaConfig:
     The config.
   """
   import json  # pylint: disable=import-outside-toplevel
-  from megatrain_jax import hf  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import hf_config  # pylint: disable=import-outside-toplevel
   with open(path, encoding="utf-8") as f:
-    return hf.config_from_hf(json.load(f))[0]
+    return hf_config.config_from_hf(json.load(f))[0]
