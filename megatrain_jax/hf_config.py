@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Callable
 
-from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.config import LAYER_TYPES, LlamaConfig
 from megatrain_jax.models.rope import RopeScaling
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
@@ -23,7 +23,7 @@ NO_MATH_KEYS = frozenset({
     "architectures", "model_type", "bos_token_id", "eos_token_id", "pad_token_id",
     "use_cache", "initializer_range", "dtype", "torch_dtype", "transformers_version",
     "_name_or_path", "output_attentions", "output_hidden_states", "return_dict",
-    "tokenizer_class", "max_window_layers", "generation_config", "vocab_file",
+    "tokenizer_class", "generation_config", "vocab_file",
     "id2label", "label2id", "problem_type", "is_decoder", "use_return_dict",
 })
 
@@ -38,14 +38,6 @@ _CHECKS: dict[str, tuple[Callable[[Any, dict], bool], str]] = {
                        "(including the output projection) are not implemented"),
     "partial_rotary_factor": (lambda v, c: v == 1.0, "partial rotary embeddings are not "
                               "implemented"),
-    "use_sliding_window": (lambda v, c: not v, "sliding-window attention is not "
-                           "implemented"),
-    "sliding_window": (lambda v, c: v is None or c.get("use_sliding_window") is False
-                       or v >= c.get("max_position_embeddings", 0),
-                       "an active sliding window (shorter than max_position_embeddings) "
-                       "is not implemented"),
-    "layer_types": (lambda v, c: all(t == "full_attention" for t in v),
-                    "only full attention is implemented"),
 }
 
 # The keys of each rotary scaling type (besides rope_type / type and rope_theta), and
@@ -106,8 +98,69 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
         out[theirs] = value
   return out
 
-# Read apart: the rotary settings (`_rope_from_hf`) and the head width.
-_SPECIAL = frozenset({"rope_theta", "rope_parameters", "rope_scaling", "head_dim"})
+
+def _windows_from_hf(hf: dict[str, Any], arch: str | None
+                     ) -> tuple[int | None, tuple[str, ...] | None, list[str]]:
+  """(sliding_window, layer_types, problems), as `transformers` reads them: Mistral
+  slides every layer when `sliding_window` is set; Qwen2 and Qwen3 slide the layers
+  `layer_types` names, or (without it) those from `max_window_layers` on, and only
+  with `use_sliding_window`; Llama has no window."""
+  window, types = hf.get("sliding_window"), hf.get("layer_types")
+  n = hf.get("num_hidden_layers", 0)
+  if types is not None and (not isinstance(types, list) or len(types) != n
+                            or any(t not in LAYER_TYPES for t in types)):
+    return None, None, [f"layer_types={types!r}: expected one of {LAYER_TYPES} for each "
+                        f"of the {n} layers"]
+  if arch in ("qwen2", "qwen3"):
+    if not hf.get("use_sliding_window", False) or window is None:
+      return None, None, []
+    if types is None:
+      first = hf.get("max_window_layers", 28)
+      types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+  elif arch == "mistral":
+    if window is None:
+      types = None
+    elif types is not None and "full_attention" in types:
+      return None, None, [f"layer_types={types!r}: MistralForCausalLM slides every layer "
+                          "(transformers ignores layer_types there); a mixed stack is a "
+                          "Qwen2/Qwen3 config"]
+    types = None
+  elif window is not None or hf.get("use_sliding_window"):
+    return None, None, [f"sliding_window={window!r}: {arch} has no sliding window"]
+  if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                             or window <= 0):
+    return None, None, [f"sliding_window={window!r}: expected a positive integer"]
+  if types is not None:
+    types = None if all(t == "sliding_attention" for t in types) else tuple(types)
+    if types is not None and "sliding_attention" not in types:
+      window = types = None
+  return window, types, []
+
+
+def _windows_to_hf(cfg: LlamaConfig, arch: str) -> dict[str, Any]:
+  """config.json's window keys for `arch` (a mix it cannot hold refused)."""
+  windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
+  sliding = [w is not None for w in windows]
+  if arch == "llama":
+    if any(sliding):
+      raise ValueError("sliding_window cannot be written as llama (LlamaForCausalLM has "
+                       "no sliding window): write it as mistral, qwen2 or qwen3.")
+    return {}
+  if arch == "mistral":
+    if any(sliding) and not all(sliding):
+      raise ValueError("A stack mixing sliding and full attention cannot be written as "
+                       "mistral (MistralForCausalLM slides every layer or none): write "
+                       "it as qwen2 or qwen3.")
+    return {"sliding_window": cfg.sliding_window if any(sliding) else None}
+  return {"use_sliding_window": any(sliding),
+          "sliding_window": cfg.sliding_window if any(sliding) else None,
+          "max_window_layers": sliding.index(True) if any(sliding) else cfg.n_layers,
+          "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding]}
+
+# Read apart: the rotary settings (`_rope_from_hf`), the head width and the windows.
+_SPECIAL = frozenset({"rope_theta", "rope_parameters", "rope_scaling", "head_dim",
+                      "sliding_window", "use_sliding_window", "max_window_layers",
+                      "layer_types"})
 
 _MAPPED = {"vocab_size": "vocab_size", "hidden_size": "d_model",
            "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
@@ -137,7 +190,8 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
     problems.append(f"architectures={archs} / model_type={hf.get('model_type')!r}: only "
                     f"{sorted(ARCHITECTURES)} are implemented")
   theta, scaling, rope_problems = _rope_from_hf(hf)
-  problems += rope_problems
+  window, layer_types, window_problems = _windows_from_hf(hf, arch)
+  problems += rope_problems + window_problems
   for key, value in hf.items():
     if key in _MAPPED or key in NO_MATH_KEYS or key in _SPECIAL:
       continue
@@ -152,6 +206,7 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
                      + "\n  ".join(problems))
   kw = {ours: hf[theirs] for theirs, ours in _MAPPED.items() if theirs in hf}
   kw["rope_theta"], kw["rope_scaling"] = theta, scaling
+  kw["sliding_window"], kw["layer_types"] = window, layer_types
   kw.setdefault("n_kv_heads", hf["num_attention_heads"])
   kw["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
   kw["qkv_bias"] = arch == "qwen2"
@@ -196,7 +251,7 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
   Args:
     cfg: the model.
     architecture: "llama", "qwen2", "qwen3" or "mistral" (default: qwen2 with q/k/v
-      biases, qwen3 with query/key norms, else llama).
+      biases, qwen3 with query/key norms, mistral with a sliding window, else llama).
     extra: a source config.json, whose keys that do not change the math (token
       ids and such) are kept.
 
@@ -204,9 +259,11 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
     config.json's contents.
 
   Raises:
-    ValueError: an unknown architecture, or q/k/v biases on one without them.
+    ValueError: an unknown architecture, or what it cannot hold (q/k/v biases,
+      query/key norms, a sliding window, a mixed stack).
   """
-  arch = architecture or ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else "llama")
+  arch = architecture or ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
+                          "mistral" if cfg.sliding_window is not None else "llama")
   if arch not in ARCHITECTURES.values():
     raise ValueError(f"architecture={arch!r} is not one of {sorted(ARCHITECTURES.values())}.")
   if cfg.qkv_bias != (arch == "qwen2"):
@@ -226,8 +283,7 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
          "attention_dropout": 0.0, "torch_dtype": "float32", "use_cache": True}
   if arch == "llama":
     out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
-  else:
-    out.update(sliding_window=None, use_sliding_window=False)
+  out.update(_windows_to_hf(cfg, arch))
   if arch == "qwen3":
     out.update(attention_bias=False)
   for k, v in (extra or {}).items():

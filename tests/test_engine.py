@@ -48,11 +48,14 @@ CASES = {
     "tied_resident_ends": (BASE.replace(tie_embeddings=True), ADAMW,
                            dict(stream_embed_head=False)),
     "qkv_bias": (BASE.replace(qkv_bias=True), ADAMW, {}),
-    # Qwen3's query/key norms and own head width, Llama 3's rotary scaling.
-    "qk_norm_head_dim_rope": (BASE.replace(
+    # Qwen3's query/key norms and own head width, Llama 3's rotary scaling, sliding
+    # and full attention mixed (a checkpoint group recomputes each layer with its own).
+    "qk_norm_head_dim_rope_windows": (BASE.replace(
         qk_norm=True, attn_head_dim=16, rope_scaling=mt.RopeScaling(
             rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
-            original_max_position_embeddings=8)), ADAMW, {}),
+            original_max_position_embeddings=8), sliding_window=5, layer_types=(
+                "full_attention", "sliding_attention", "sliding_attention",
+                "full_attention")), ADAMW, dict(checkpoint_every=2)),
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),
@@ -137,15 +140,22 @@ def test_from_config_equals_model_init():
                  jax.tree.map(np.asarray, model.param_tree()))
 
 
-def test_compiles_each_template_once_whatever_the_depth():
+@pytest.mark.parametrize("windows", [None, 4])
+def test_compiles_each_template_once_whatever_the_depth(windows):
+  # One block template per layer structure: a stack alternating sliding and full
+  # attention has two, however deep.
   cfg = TINY.replace(n_layers=32, d_model=16, n_heads=2, n_kv_heads=1, d_ff=32)
+  if windows:
+    cfg = cfg.replace(sliding_window=windows, layer_types=tuple(
+        ("sliding_attention", "full_attention")[i % 2] for i in range(32)))
   with mt.StreamingTrainer.from_config(cfg, optax.adamw(1e-3), mt.EngineConfig(),
                                        jax.random.key(0)) as eng:
     for s in range(2):
       eng.step(random_batch(cfg, 2, 8, seed=s))
     compiles = eng.stats()["compiles"]
-  assert compiles["block_fwd"] == 1 and compiles["block_bwd"] == 1, compiles
-  assert all(v == 1 for v in compiles.values()), compiles
+  n = 2 if windows else 1
+  assert compiles["block_fwd"] == n and compiles["block_bwd"] == n, compiles
+  assert all(v == 1 for k, v in compiles.items() if not k.startswith("block")), compiles
 
 
 def test_bf16_tracks_fp32_on_stdlib(stdlib_windows):

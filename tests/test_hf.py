@@ -1,4 +1,4 @@
-"""Parity with `transformers` (PyTorch, CPU, fp32) for Llama, Qwen2 and Mistral checkpoints."""
+"""Parity with `transformers` (PyTorch, CPU, fp32) for Llama, Qwen2, Qwen3 and Mistral checkpoints."""
 
 import json
 import os
@@ -25,8 +25,17 @@ CASES = {
     "llama_tied": ("LlamaConfig", "LlamaForCausalLM", "llama",
                    {"tie_word_embeddings": True, "num_key_value_heads": 4}),
     "qwen2_qkv_bias": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {}),
-    # Mistral's default sliding window (4096) is longer than any sequence here: inactive.
+    # Mistral's default sliding window (4096) is longer than any sequence here.
     "mistral": ("MistralConfig", "MistralForCausalLM", "mistral", {}),
+    # Sliding windows shorter than the 24-token batches: every layer (Mistral), the
+    # layers from max_window_layers on (Qwen2), the layers layer_types names (Qwen3).
+    "mistral_window": ("MistralConfig", "MistralForCausalLM", "mistral",
+                       {"sliding_window": 5}),
+    "qwen2_window_layers": ("Qwen2Config", "Qwen2ForCausalLM", "qwen2", {
+        "use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1}),
+    "qwen3_layer_types": ("Qwen3Config", "Qwen3ForCausalLM", "qwen3", {
+        "head_dim": 16, "use_sliding_window": True, "sliding_window": 4,
+        "layer_types": ["sliding_attention", "full_attention"]}),
     # A head wider than hidden_size / heads (Mistral-Nemo's shape).
     "mistral_head_dim": ("MistralConfig", "MistralForCausalLM", "mistral", {"head_dim": 16}),
     # Qwen3: its own head width and RMS norms on queries and keys.
@@ -100,7 +109,8 @@ def test_loss_and_layer_gradient_match_autograd(checkpoint):
   np.testing.assert_allclose(loss, ref_loss.item(), rtol=1e-4)
   params = dict(ref.named_parameters())
   names = hf.block_tensor_names(1, cfg)  # every tensor of layer 1, biases and norms too
-  assert len(names) == {"qwen2_qkv_bias": 12, "qwen3": 11}.get(case, 9)
+  assert len(names) == (12 if CASES[case][2] == "qwen2" else 11 if CASES[case][2] == "qwen3"
+                        else 9)
   assert set(names) == {n for n in params if n.startswith("model.layers.1.")}
   for name, (path, transpose) in names.items():
     want = params[name].grad.numpy()
@@ -167,6 +177,25 @@ def test_sharded_checkpoint_streams_without_the_model_on_the_device(tmp_path):
   assert hf.read_config(str(tmp_path / "out"))[0] == cfg
 
 
+def test_sliding_windows_are_read_per_layer():
+  qwen2 = json.loads(_hf_model("qwen2_window_layers", num_hidden_layers=4).config.to_json_string())
+  cfg, _ = hf.config_from_hf(qwen2)
+  assert [cfg.layer_window(i) for i in range(4)] == [None, 6, 6, 6]
+  del qwen2["layer_types"]  # as transformers 4 wrote it: max_window_layers decides
+  qwen2["max_window_layers"] = 2
+  cfg, _ = hf.config_from_hf(qwen2)
+  assert [cfg.layer_window(i) for i in range(4)] == [None, None, 6, 6]
+  qwen2["use_sliding_window"] = False  # the window is off, whatever its width
+  assert hf.config_from_hf(qwen2)[0].sliding_window is None
+  mistral = json.loads(_hf_model("mistral_window").config.to_json_string())
+  assert [hf.config_from_hf(mistral)[0].layer_window(i) for i in range(2)] == [5, 5]
+  mixed = hf.config_from_hf(qwen2 | {"use_sliding_window": True})[0]
+  with pytest.raises(ValueError, match="cannot be written as mistral"):
+    hf.hf_config(mixed, "mistral")
+  with pytest.raises(ValueError, match="cannot be written as llama"):
+    hf.hf_config(mixed.replace(qkv_bias=False), "llama")
+
+
 def test_older_top_level_rope_theta_is_read():
   cfg, arch = hf.config_from_hf({
       "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
@@ -182,14 +211,18 @@ def test_older_top_level_rope_theta_is_read():
     ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
                           "frobnicate": 1}}, "with ['frobnicate']: not implemented"),
     ({"partial_rotary_factor": 0.5}, "partial rotary embeddings"),
-    ({"sliding_window": 16}, "an active sliding window"),
+    ({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]},
+     "MistralForCausalLM slides every layer"),
+    ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "sliding_window": 16},
+     "llama has no sliding window"),
+    ({"sliding_window": 0}, "sliding_window=0: expected a positive integer"),
     ({"hidden_act": "gelu"}, "only SiLU"),
     ({"attention_bias": True}, "attention biases"),
     ({"frobnication_level": 3}, "frobnication_level=3: unknown key"),
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "only ['LlamaForCausalLM'"),
 ])
 def test_unimplemented_config_is_refused_by_name(change, message):
-  base = json.loads(json.dumps(_hf_model("mistral").config.to_dict()))
+  base = json.loads(_hf_model("mistral").config.to_json_string())
   base.update(change)
   with pytest.raises(ValueError, match="does not implement") as e:
     hf.config_from_hf(base)

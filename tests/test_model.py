@@ -126,10 +126,26 @@ def test_init_is_per_unit_and_seeded():
     (dict(d_ff=-1), "d_ff"),
     (dict(vocab_size=0), "vocab_size"),
     (dict(norm_eps=0.0), "norm_eps"),
+    (dict(attn_head_dim=0), "attn_head_dim"),
+    (dict(sliding_window=0), "sliding_window"),
+    (dict(sliding_window=4, layer_types=("full_attention",)), "layer_types"),
+    (dict(sliding_window=4, layer_types=("local",) * TINY.n_layers), "layer_types"),
+    (dict(layer_types=("sliding_attention",) * TINY.n_layers), "sliding_window is None"),
 ])
 def test_bad_config_names_the_field(changes, field):
   with pytest.raises(ValueError, match=field):
     TINY.replace(**changes)
+
+
+def test_a_sliding_window_sees_exactly_its_width():
+  # Logits at position t depend on ids[t - W + 1 .. t] alone when every layer slides
+  # (n_layers = 1 here: one layer's receptive field is its window).
+  cfg = TINY.replace(n_layers=1, sliding_window=3)
+  model = mt.Llama(cfg, rngs=nnx.Rngs(0))
+  ids = jax.random.randint(jax.random.key(0), (1, 12), 0, cfg.vocab_size)
+  changed = ids.at[0, 4].set((ids[0, 4] + 1) % cfg.vocab_size)
+  moved = np.abs(np.asarray(model(ids) - model(changed))).max(axis=-1)[0]
+  assert np.all(moved[:4] == 0) and np.all(moved[4:7] > 0) and np.all(moved[7:] == 0), moved
 
 
 def test_unknown_preset():

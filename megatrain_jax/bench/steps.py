@@ -84,18 +84,16 @@ def template_times(s: Suite) -> dict[str, Any]:
       x, inputs = tpl.embed_fwd(units[0], ids), []
       for i in range(n):
         inputs.append(x)
-        x = tpl.block_fwd(units[1 + i], x)
+        x = tpl.block_fwd(units[1 + i], x, i)
       _, g, _, g_e, _ = tpl.head(units[n + 1], tied, x, labels, mask, scale)
       for i in reversed(range(n)):
-        g, _, _ = tpl.block_bwd(units[1 + i], inputs[i], g)
+        g, _, _ = tpl.block_bwd(units[1 + i], inputs[i], g, i)
       return tpl.embed_bwd(ids, g, g_e)
 
     t = median_times({"templates": templates, "remat": lambda: remat.step(batch)},
                      s.warmup, s.reps)
     x = tpl.embed_fwd(units[0], ids)
-    scratch = {name: fn.lower(*args).compile().memory_analysis()
-               for name, fn, args in (("block_fwd", tpl.block_fwd, (units[1], x)),
-                                      ("block_bwd", tpl.block_bwd, (units[1], x, x)))}
+    scratch = tpl.block_memory(units[1], x)
   return {"templates_step_time_s": t["templates"],
           "templates_over_resident_remat": t["templates"] / t["remat"],
           "templates_resident_remat_step_time_s": t["remat"],

@@ -78,7 +78,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
       ckpts[i] = x
       ledger.add(("ckpt", i), act_bytes)
     p, key = get(1 + i)
-    x = tpl.block_fwd(p, x)
+    x = tpl.block_fwd(p, x, i)
     ledger.add("x", act_bytes)
     release(key, x)
   p = None  # a released buffer must not stay alive through the backward
@@ -101,10 +101,10 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     params = [get(1 + i) for i in range(s, e)]
     xs = [ckpts.pop(s)]
     for j in range(e - s - 1):
-      xs.append(tpl.block_fwd(params[j][0], xs[-1]))
+      xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j))
       ledger.add(("recompute", j), act_bytes)
     for j in reversed(range(e - s)):
-      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g)
+      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j)
       release(params[j][1], g)
       params[j], xs[j] = None, None  # released: nothing keeps them alive
       ledger.add(("grad", 1 + s + j), g_p.nbytes)

@@ -2,8 +2,10 @@
 
 Each distinct unit structure has one stateless template: the unit's flat
 compute-dtype parameters and the activations are arguments, nothing is baked in,
-so one compiled block serves every layer however deep the model. `compiles`
-counts traces (one per signature).
+so one compiled block serves every layer of a structure however deep the model.
+A layer's structure is what changes its compiled code: today its attention window
+(`LlamaConfig.layer_window`), so a stack that mixes sliding and full attention has
+two block templates. `compiles` counts traces (one per structure and signature).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ class Templates:
 
   Attributes (each a jitted function; flat arguments are compute-dtype units):
     embed_fwd(flat_e, ids) -> x
-    block_fwd(flat_b, x) -> x
-    block_bwd(flat_b, x, g) -> (g_x, g_flat, finite): the layer's forward is
+    block_fwd(flat_b, x, layer) -> x: `layer` picks the layer's structure (a method
+      over one jitted function per structure).
+    block_bwd(flat_b, x, g, layer) -> (g_x, g_flat, finite): the layer's forward is
       recomputed inside; `finite` says whether g_flat is all finite.
     head(flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x, g_h, g_e,
       finite): final norm, LM head and chunked cross-entropy, value and gradient;
@@ -65,11 +68,14 @@ class Templates:
     def embed_fwd(flat, ids):
       return llama.embed_apply(embed.unflatten(flat), ids, cd)
 
-    def block_fwd(flat, x):
-      return llama.block_apply(cfg, block.unflatten(flat), x)
+    self._windows = tuple(cfg.layer_window(i) for i in range(cfg.n_layers))
 
-    def block_bwd(flat, x, g):
-      _, vjp = jax.vjp(lambda f, x: llama.block_apply(cfg, block.unflatten(f), x), flat, x)
+    def block_fwd(flat, x, window):
+      return llama.block_apply(cfg, block.unflatten(flat), x, window=window)
+
+    def block_bwd(flat, x, g, window):
+      _, vjp = jax.vjp(lambda f, x: llama.block_apply(cfg, block.unflatten(f), x,
+                                                      window=window), flat, x)
       g_flat, g_x = vjp(g)
       return g_x, g_flat, all_finite(g_flat)
 
@@ -91,10 +97,54 @@ class Templates:
       return g, all_finite(g)
 
     self.embed_fwd = jax.jit(self._counted("embed_fwd", embed_fwd))
-    self.block_fwd = jax.jit(self._counted("block_fwd", block_fwd))
-    self.block_bwd = jax.jit(self._counted("block_bwd", block_bwd))
+    self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=2)
+    self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=3)
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
+
+  def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int) -> jax.Array:
+    """Layer `layer`'s forward.
+
+    Args:
+      flat: the layer's flat compute-dtype parameters.
+      x: its input.
+      layer: its index (0-based), which picks its structure's template.
+
+    Returns:
+      Its output.
+    """
+    return self._block_fwd(flat, x, self._windows[layer])
+
+  def block_bwd(self, flat: jax.Array, x: jax.Array, g: jax.Array, layer: int
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Layer `layer`'s backward (its forward recomputed inside).
+
+    Args:
+      flat: the layer's flat compute-dtype parameters.
+      x: its input.
+      g: the gradient of its output.
+      layer: its index (0-based).
+
+    Returns:
+      (the gradient of its input, of its flat parameters, whether the latter is
+      all finite).
+    """
+    return self._block_bwd(flat, x, g, self._windows[layer])
+
+  def block_memory(self, flat: jax.Array, x: jax.Array, layer: int = 0) -> dict[str, Any]:
+    """XLA's memory analysis of a layer's compiled forward and backward.
+
+    Args:
+      flat: a layer's flat compute-dtype parameters.
+      x: an input of the batch shape to analyse.
+      layer: the layer whose structure is analysed.
+
+    Returns:
+      {"block_fwd": analysis, "block_bwd": analysis} (`temp_size_in_bytes` etc.).
+    """
+    w = self._windows[layer]
+    return {"block_fwd": self._block_fwd.lower(flat, x, w).compile().memory_analysis(),
+            "block_bwd": self._block_bwd.lower(flat, x, x, w).compile().memory_analysis()}
 
   def _counted(self, name: str, fn):
     def traced(*args):

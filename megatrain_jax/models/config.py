@@ -9,7 +9,8 @@ from megatrain_jax.models.rope import RopeScaling
 
 # Fields added after checkpoints were first written: `to_dict` leaves them out at their
 # defaults, so that settings recorded before them still compare equal on resume.
-_LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm")
+_LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm", "sliding_window", "layer_types")
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,13 +18,16 @@ class LlamaConfig:
   """Shape of a decoder-only Llama-family model.
 
   Qwen2 is `qkv_bias=True`; Qwen3 is `qk_norm=True` with its own `attn_head_dim`;
-  Llama 3.1 and later use `rope_scaling`; Mistral (without an active sliding window)
-  and Llama 2 are the defaults. Every field is validated at construction, so a bad
+  Llama 3.1 and later use `rope_scaling`; Mistral is `sliding_window` on every layer;
+  Llama 2 is the defaults. Every field is validated at construction, so a bad
   value fails here, naming the field, and not deep inside a JAX trace.
 
   `attn_head_dim` is the width of one attention head (None: d_model // n_heads; the
   `head_dim` property is the width in use). `qk_norm` adds an RMS norm over each head
-  of the queries and keys before the rotary embedding.
+  of the queries and keys before the rotary embedding. `sliding_window` W lets each
+  token attend to itself and the W - 1 tokens before it; `layer_types` names each
+  layer's attention, "full_attention" or "sliding_attention" (None: every layer
+  slides when `sliding_window` is set). `layer_window(i)` is layer i's window.
   """
 
   vocab_size: int = 260
@@ -40,6 +44,8 @@ class LlamaConfig:
   attn_head_dim: int | None = None
   rope_scaling: RopeScaling | None = None
   qk_norm: bool = False
+  sliding_window: int | None = None
+  layer_types: tuple[str, ...] | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -66,6 +72,22 @@ class LlamaConfig:
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got "
                        f"{type(self.rope_scaling).__name__}.")
+    if self.sliding_window is not None and (
+        isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
+        or self.sliding_window <= 0):
+      raise ValueError(f"LlamaConfig.sliding_window must be a positive integer or None, "
+                       f"got {self.sliding_window!r}.")
+    if self.layer_types is not None:
+      if isinstance(self.layer_types, list):  # as read back from JSON
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+      if (not isinstance(self.layer_types, tuple) or len(self.layer_types) != self.n_layers
+          or any(t not in LAYER_TYPES for t in self.layer_types)):
+        raise ValueError(f"LlamaConfig.layer_types must name each of the n_layers="
+                         f"{self.n_layers} layers one of {LAYER_TYPES}, got "
+                         f"{self.layer_types!r}.")
+      if "sliding_attention" in self.layer_types and self.sliding_window is None:
+        raise ValueError("LlamaConfig.layer_types has sliding layers but sliding_window "
+                         "is None: set the window's width.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
@@ -80,6 +102,20 @@ class LlamaConfig:
   def head_dim(self) -> int:
     """The width of one attention head."""
     return self.attn_head_dim or self.d_model // self.n_heads
+
+  def layer_window(self, i: int) -> int | None:
+    """Layer i's attention window.
+
+    Args:
+      i: the layer (0-based).
+
+    Returns:
+      The sliding window's width, or None for full causal attention.
+    """
+    if self.sliding_window is None or (
+        self.layer_types is not None and self.layer_types[i] != "sliding_attention"):
+      return None
+    return self.sliding_window
 
   def replace(self, **changes: Any) -> "LlamaConfig":
     """A copy with some fields changed (and validated again).
@@ -99,6 +135,8 @@ class LlamaConfig:
       Field name -> value; the fields added later are left out at their defaults.
     """
     out = dataclasses.asdict(self)
+    if self.layer_types is not None:
+      out["layer_types"] = list(self.layer_types)
     for name in _LATER_FIELDS:
       if out[name] in (None, False):
         del out[name]

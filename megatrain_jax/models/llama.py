@@ -219,7 +219,7 @@ def _dense(p, x):
   return y
 
 
-def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
+def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | None = None):
   """Causal grouped-query self-attention with rotary embeddings.
 
   Args:
@@ -227,6 +227,8 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
     p: the block's "attn" tree, {q, k, v, o} (and q_norm, k_norm with `qk_norm`).
     x_BxTxD: the normalised activations.
     positions_T: the position of each token.
+    window: a sliding window's width (each token sees itself and the window - 1
+      tokens before it), or None for full causal attention.
 
   Returns:
     The attention output, [B, T, D].
@@ -243,7 +245,8 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T):
   k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
   # Grouped-query attention: jax.nn.dot_product_attention takes K/V with fewer
   # heads than Q when n_kv_heads divides n_heads.
-  o = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  o = jax.nn.dot_product_attention(
+      q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0))
   return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd))
 
 
@@ -275,7 +278,8 @@ def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):
   return jnp.take(p["embedding"], ids_BxT, axis=0).astype(compute_dtype)
 
 
-def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None):
+def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
+                window: int | None = None):
   """One decoder block; computes in x's dtype (params are cast to it).
 
   Args:
@@ -283,6 +287,7 @@ def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None):
     p: the block's tree.
     x_BxTxD: the block's input.
     positions_T: the position of each token; None means 0..T-1.
+    window: the layer's attention window (`cfg.layer_window(i)`; None: full).
 
   Returns:
     The block's output, [B, T, D].
@@ -292,7 +297,7 @@ def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None):
     positions_T = jnp.arange(x_BxTxD.shape[1])
   h = x_BxTxD + attention(cfg, p["attn"],
                           rms_norm(x_BxTxD, p["attn_norm"]["scale"], cfg.norm_eps),
-                          positions_T)
+                          positions_T, window)
   return h + mlp(p["mlp"], rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps))
 
 
@@ -362,8 +367,8 @@ def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32
     The fp32 logits, [B, T, V].
   """
   x = embed_apply(params["embed"], ids_BxT, compute_dtype)
-  for p in params["blocks"]:
-    x = block_apply(cfg, p, x)
+  for i, p in enumerate(params["blocks"]):
+    x = block_apply(cfg, p, x, window=cfg.layer_window(i))
   return logits_apply(cfg, params["head"], params["embed"], x)
 
 
@@ -405,7 +410,7 @@ class Unit(nnx.Module):
 
 
 class Llama(nnx.Module):
-  """Llama / Qwen2 / Mistral decoder. `model(ids) -> logits` (fp32).
+  """Llama / Qwen2 / Qwen3 / Mistral decoder. `model(ids) -> logits` (fp32).
 
   Decomposition for engines: `model.embed`, `model.blocks[i]`, `model.head` are
   `Unit`s whose `.tree()` feeds the pure `embed_apply`, `block_apply` and head

@@ -112,12 +112,12 @@ def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
   Returns:
     sum(mask * ce) / max(sum(mask), 1).
   """
-  block = lambda p, x: llama.block_apply(cfg, p, x)
+  block = lambda p, x, window: llama.block_apply(cfg, p, x, window=window)
   if remat:
-    block = jax.checkpoint(block)
+    block = jax.checkpoint(block, static_argnums=(2,))
   x = llama.embed_apply(params["embed"], batch["input_ids"], compute_dtype)
-  for p in params["blocks"]:
-    x = block(p, x)
+  for i, p in enumerate(params["blocks"]):
+    x = block(p, x, cfg.layer_window(i))
   total = head_loss_sum(cfg, params["head"], params["embed"], x, batch["labels"],
                         batch["loss_mask"], chunk_tokens)
   return total / jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
