@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3 and Mistral safetensors on local disk.
+"""Hugging Face checkpoints in and out: Llama, Qwen2, Qwen3, Mistral and their MoE kin (Mixtral,
+Qwen2-MoE, Qwen3-MoE), safetensors on local disk.
 
     cfg, model = mt.hf.from_pretrained("path/to/dir")        # NNX model
     trainer = mt.hf.streaming_trainer("path/to/dir", optax.adamw(1e-5))
@@ -19,7 +20,6 @@ import json
 import os
 from typing import Any, Iterator
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -41,15 +41,20 @@ __all__ = ["ARCHITECTURES", "NO_MATH_KEYS", "block_tensor_names", "check_checkpo
 
 # -- tensor names -----------------------------------------------------------------
 
-def block_tensor_names(i: int, cfg: LlamaConfig) -> dict[str, tuple[tuple[str, ...], bool]]:
+def block_tensor_names(i: int, cfg: LlamaConfig, architecture: str | None = None
+                       ) -> dict[str, tuple[tuple[Any, ...], bool]]:
   """How one layer's Hugging Face tensors map onto our block tree.
 
   Args:
     i: the layer (0-based).
-    cfg: the model (q/k/v biases or not).
+    cfg: the model (q/k/v biases or not, experts or not).
+    architecture: names an MoE layer's tensors as Mixtral does
+      (`block_sparse_moe.experts.E.w1`) when "mixtral", else as Qwen-MoE does
+      (`mlp.experts.E.gate_proj`).
 
   Returns:
-    HF tensor name -> (path in our block tree, whether it is stored transposed).
+    HF tensor name -> (path in our block tree, whether it is stored transposed). A
+    path ending in an int names one expert's slice of a stacked [E, ...] leaf.
   """
   pre = f"model.layers.{i}."
   names = {pre + "input_layernorm.weight": (("attn_norm", "scale"), False),
@@ -61,34 +66,66 @@ def block_tensor_names(i: int, cfg: LlamaConfig) -> dict[str, tuple[tuple[str, .
   if cfg.qk_norm:
     for ours in ("q_norm", "k_norm"):
       names[f"{pre}self_attn.{ours}.weight"] = (("attn", ours, "scale"), False)
-  for ours in ("gate", "up", "down"):
-    names[f"{pre}mlp.{ours}_proj.weight"] = (("mlp", ours, "kernel"), True)
+  if not cfg.layer_is_moe(i):
+    for ours in ("gate", "up", "down"):
+      names[f"{pre}mlp.{ours}_proj.weight"] = (("mlp", ours, "kernel"), True)
+    return names
+  mixtral = architecture == "mixtral"
+  moe = pre + ("block_sparse_moe." if mixtral else "mlp.")
+  names[moe + "gate.weight"] = (("mlp", "router", "kernel"), True)
+  theirs = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {
+      "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+  for e in range(cfg.n_experts):
+    for ours, name in theirs.items():
+      names[f"{moe}experts.{e}.{name}.weight"] = (("mlp", "experts", ours, "kernel", e), True)
+  if cfg.shared_expert_d_ff:
+    for ours in ("gate", "up", "down"):
+      names[f"{moe}shared_expert.{ours}_proj.weight"] = (("mlp", "shared", ours, "kernel"),
+                                                         True)
+    names[moe + "shared_expert_gate.weight"] = (("mlp", "shared_gate", "kernel"), True)
   return names
 
 
-def _unit_names(cfg: LlamaConfig) -> list[dict[str, tuple[tuple[str, ...], bool]]]:
+def _unit_names(cfg: LlamaConfig, architecture: str | None = None
+                ) -> list[dict[str, tuple[tuple[Any, ...], bool]]]:
   embed = {"model.embed_tokens.weight": (("embedding",), False)}
   head = {"model.norm.weight": (("final_norm", "scale"), False)}
   if not cfg.tie_embeddings:
     head["lm_head.weight"] = (("lm_head", "kernel"), True)
-  return [embed] + [block_tensor_names(i, cfg) for i in range(cfg.n_layers)] + [head]
+  return ([embed] + [block_tensor_names(i, cfg, architecture) for i in range(cfg.n_layers)]
+          + [head])
 
 
-def _set(tree: dict, path: tuple[str, ...], value) -> None:
-  for k in path[:-1]:
+def _set(tree: dict, path: tuple[Any, ...], value, stack: int) -> None:
+  """Sets a leaf, or (a path ending in an int) one of `stack` slices of a leaf."""
+  *keys, last = path
+  if isinstance(last, int):
+    *keys, leaf = keys
+    for k in keys:
+      tree = tree.setdefault(k, {})
+    tree.setdefault(leaf, [None] * stack)[last] = value
+    return
+  for k in keys:
     tree = tree.setdefault(k, {})
-  tree[path[-1]] = value
+  tree[last] = value
 
 
-def tree_get(tree: dict, path: tuple[str, ...]):
+def _stack(tree):
+  """The tree with every list of slices `_set` built stacked into one array."""
+  if isinstance(tree, list):
+    return np.stack(tree)
+  return {k: _stack(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def tree_get(tree: dict, path: tuple[Any, ...]):
   """The leaf at a path of a nested dict.
 
   Args:
     tree: the dict.
-    path: keys, outermost first.
+    path: keys, outermost first; a final int indexes the leaf's first axis.
 
   Returns:
-    The leaf.
+    The leaf (or its slice).
   """
   for k in path:
     tree = tree[k]
@@ -97,27 +134,33 @@ def tree_get(tree: dict, path: tuple[str, ...]):
 
 # -- reading ----------------------------------------------------------------------
 
-def _expected_shapes(cfg: LlamaConfig) -> list[dict[str, tuple[int, ...]]]:
+def _expected_shapes(cfg: LlamaConfig, architecture: str | None
+                     ) -> list[dict[str, tuple[int, ...]]]:
   """For each unit, HF tensor name -> the shape config.json implies for it."""
-  key = jax.random.key(0)
-  trees = [jax.eval_shape(lambda: llama.init_embed(cfg, key)),
-           jax.eval_shape(lambda: llama.init_block(cfg, key)),
-           jax.eval_shape(lambda: llama.init_head(cfg, key))]
   out = []
-  for u, names in enumerate(_unit_names(cfg)):
-    tree = trees[0 if u == 0 else 2 if u == cfg.n_layers + 1 else 1]
-    out.append({name: tuple(reversed(tree_get(tree, path).shape)) if transpose
-                else tuple(tree_get(tree, path).shape)
-                for name, (path, transpose) in names.items()})
+  for tree, names in zip(llama.abstract_units(cfg), _unit_names(cfg, architecture),
+                         strict=True):
+    shapes = {}
+    for name, (path, transpose) in names.items():
+      sliced = isinstance(path[-1], int)
+      shape = tuple(tree_get(tree, path[:-1] if sliced else path).shape)[int(sliced):]
+      shapes[name] = tuple(reversed(shape)) if transpose else shape
+    out.append(shapes)
   return out
 
 
-def check_checkpoint(local_dir: str, cfg: LlamaConfig) -> dict[str, TensorInfo]:
+def _architecture(local_dir: str, architecture: str | None) -> str:
+  return architecture or read_config(local_dir)[1]
+
+
+def check_checkpoint(local_dir: str, cfg: LlamaConfig, architecture: str | None = None
+                     ) -> dict[str, TensorInfo]:
   """Checks every tensor of a checkpoint against `cfg` from the file headers alone.
 
   Args:
     local_dir: the checkpoint directory.
     cfg: the config read from its config.json.
+    architecture: its architecture (default: read from config.json).
 
   Returns:
     name -> TensorInfo of the tensors the model reads.
@@ -129,7 +172,7 @@ def check_checkpoint(local_dir: str, cfg: LlamaConfig) -> dict[str, TensorInfo]:
     FileNotFoundError: no checkpoint file.
   """
   found = checkpoint_tensors(local_dir)
-  expected = _expected_shapes(cfg)
+  expected = _expected_shapes(cfg, _architecture(local_dir, architecture))
   known = {n for names in expected for n in names}
   problems = []
   missing = [n for names in expected for n in names if n not in found]
@@ -167,7 +210,8 @@ def check_checkpoint(local_dir: str, cfg: LlamaConfig) -> dict[str, TensorInfo]:
   return found
 
 
-def load_units(local_dir: str, cfg: LlamaConfig | None = None) -> Iterator[Params]:
+def load_units(local_dir: str, cfg: LlamaConfig | None = None,
+               architecture: str | None = None) -> Iterator[Params]:
   """The unit trees (embed, each block, head) as fp32 numpy, read one at a time.
 
   Every tensor is checked against the config before this returns (before any
@@ -176,6 +220,7 @@ def load_units(local_dir: str, cfg: LlamaConfig | None = None) -> Iterator[Param
   Args:
     local_dir: the checkpoint directory.
     cfg: its config (default: read from its config.json).
+    architecture: its architecture (default: read from config.json).
 
   Returns:
     An iterator over the unit trees.
@@ -184,22 +229,23 @@ def load_units(local_dir: str, cfg: LlamaConfig | None = None) -> Iterator[Param
     ValueError, FileNotFoundError: as `check_checkpoint`.
   """
   cfg = cfg or read_config(local_dir)[0]
-  found = check_checkpoint(local_dir, cfg)
+  architecture = _architecture(local_dir, architecture)
+  found = check_checkpoint(local_dir, cfg, architecture)
 
   def units():
-    for names in _unit_names(cfg):
+    for names in _unit_names(cfg, architecture):
       tree: dict = {}
       for name, (path, transpose) in names.items():
         x = read_tensor(found[name])
-        _set(tree, path, np.ascontiguousarray(x.T) if transpose else x)
-      yield tree
+        _set(tree, path, np.ascontiguousarray(x.T) if transpose else x, cfg.n_experts)
+      yield _stack(tree)
 
   return units()
 
 
 def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
                       config: EngineConfig | None = None, **kw) -> StreamingTrainer:
-  """A `StreamingTrainer` over a Llama / Qwen2 / Qwen3 / Mistral checkpoint, loaded unit by unit
+  """A `StreamingTrainer` over a checkpoint of any architecture in `ARCHITECTURES`, loaded unit by unit
   into the host store (the model is never whole on the device).
 
   Args:
@@ -215,12 +261,13 @@ def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
     ValueError, FileNotFoundError: a config or checkpoint that cannot be read (see
       `read_config`, `check_checkpoint`).
   """
-  cfg, _, _ = read_config(local_dir)
-  return StreamingTrainer.from_units(cfg, optimizer, config, load_units(local_dir, cfg), **kw)
+  cfg, arch, _ = read_config(local_dir)
+  return StreamingTrainer.from_units(cfg, optimizer, config, load_units(local_dir, cfg, arch),
+                                     **kw)
 
 
 def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Llama]:
-  """An NNX model from a local Llama / Qwen2 / Qwen3 / Mistral checkpoint directory.
+  """An NNX model from a local checkpoint directory (any architecture in `ARCHITECTURES`).
 
   To train a model bigger than the device, use `streaming_trainer` instead, which
   never builds the whole model on the device.
@@ -233,7 +280,7 @@ def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Lla
     (cfg, the model).
   """
   cfg, arch, _ = read_config(local_dir)
-  units = list(load_units(local_dir, cfg))
+  units = list(load_units(local_dir, cfg, arch))
   logging.info("Loaded %s checkpoint %s: %.1fM parameters.", arch, local_dir,
                cfg.param_count() / 1e6)
   params = {"embed": units[0], "blocks": units[1:-1], "head": units[-1]}
@@ -292,7 +339,8 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     current.clear()
     size = 0
 
-  for names, tree in zip(_unit_names(cfg), _unit_trees(model_or_trainer), strict=True):
+  names_of = _unit_names(cfg, config["model_type"])
+  for names, tree in zip(names_of, _unit_trees(model_or_trainer), strict=True):
     for name, (path, transpose) in names.items():
       x = np.asarray(tree_get(tree, path), np.float32)
       x = np.ascontiguousarray(x.T) if transpose else x

@@ -16,7 +16,13 @@ from megatrain_jax.models.config import LAYER_TYPES, LlamaConfig
 from megatrain_jax.models.rope import RopeScaling
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral"}
+                 "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "mistral",
+                 "MixtralForCausalLM": "mixtral", "Qwen2MoeForCausalLM": "qwen2_moe",
+                 "Qwen3MoeForCausalLM": "qwen3_moe"}
+# What each architecture's attention is like: the dense family it shares it with.
+FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
+          "mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # config.json keys that describe tokens, caching, training-time init or bookkeeping.
 NO_MATH_KEYS = frozenset({
@@ -111,6 +117,7 @@ def _windows_from_hf(hf: dict[str, Any], arch: str | None
                             or any(t not in LAYER_TYPES for t in types)):
     return None, None, [f"layer_types={types!r}: expected one of {LAYER_TYPES} for each "
                         f"of the {n} layers"]
+  arch = FAMILY.get(arch)
   if arch in ("qwen2", "qwen3"):
     if not hf.get("use_sliding_window", False) or window is None:
       return None, None, []
@@ -141,6 +148,7 @@ def _windows_to_hf(cfg: LlamaConfig, arch: str) -> dict[str, Any]:
   """config.json's window keys for `arch` (a mix it cannot hold refused)."""
   windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
   sliding = [w is not None for w in windows]
+  arch = FAMILY[arch]
   if arch == "llama":
     if any(sliding):
       raise ValueError("sliding_window cannot be written as llama (LlamaForCausalLM has "
@@ -157,10 +165,91 @@ def _windows_to_hf(cfg: LlamaConfig, arch: str) -> dict[str, Any]:
           "max_window_layers": sliding.index(True) if any(sliding) else cfg.n_layers,
           "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding]}
 
-# Read apart: the rotary settings (`_rope_from_hf`), the head width and the windows.
+_MOE_KEYS = frozenset({
+    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+    "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
+    "router_jitter_noise", "qkv_bias"})
+
+
+def _moe_from_hf(hf: dict[str, Any], arch: str | None) -> tuple[dict[str, Any], list[str]]:
+  """The MoE fields of `LlamaConfig` (and qkv_bias), and problems, as transformers
+  builds the layers: Mixtral's every layer is MoE with width intermediate_size and
+  renormalized top-k; Qwen2-MoE and Qwen3-MoE make layer i MoE unless it is in
+  `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`. The
+  load-balancing loss is in the training loss only with `output_router_logits`."""
+  present = sorted(k for k in _MOE_KEYS if k in hf and k != "qkv_bias")
+  if arch not in MOE_ARCHITECTURES:
+    problems = [f"{k}={hf[k]!r}: {arch} has no mixture-of-experts layers" for k in present]
+    if "qkv_bias" in hf:
+      problems.append(f"qkv_bias={hf['qkv_bias']!r}: unknown key for {arch}")
+    return {}, problems
+  n = hf.get("num_hidden_layers", 0)
+  experts = hf.get("num_local_experts", hf.get("num_experts", 8))
+  out: dict[str, Any] = {"n_experts": experts,
+                         "n_experts_per_tok": hf.get("num_experts_per_tok", 2)}
+  problems = []
+  if hf.get("router_jitter_noise"):
+    problems.append(f"router_jitter_noise={hf['router_jitter_noise']!r}: router jitter "
+                    "noise is not implemented")
+  coef = float(hf.get("router_aux_loss_coef", 0.0) or 0.0)
+  out["router_aux_loss_coef"] = coef if hf.get("output_router_logits") else 0.0
+  if arch == "mixtral":
+    out["norm_topk_prob"] = True
+    return out, problems
+  out["moe_d_ff"] = hf.get("moe_intermediate_size")
+  out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", False))
+  step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
+  moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0
+                     for i in range(n))
+  out["moe_layers"] = None if all(moe_layers) else moe_layers
+  if not any(moe_layers):
+    out.update(n_experts=0, moe_layers=None)
+  if arch == "qwen2_moe":
+    shared = hf.get("shared_expert_intermediate_size")
+    out["shared_expert_d_ff"] = shared or None
+    out["qkv_bias"] = bool(hf.get("qkv_bias", True))
+  elif hf.get("shared_expert_intermediate_size"):
+    problems.append("shared_expert_intermediate_size: Qwen3-MoE has no shared expert")
+  return out, problems
+
+
+def _moe_to_hf(cfg: LlamaConfig, arch: str, extra: dict[str, Any]) -> dict[str, Any]:
+  """config.json's MoE keys for `arch` (what it cannot hold refused)."""
+  if arch not in MOE_ARCHITECTURES:
+    if cfg.n_experts:
+      raise ValueError(f"A mixture-of-experts model cannot be written as {arch}: write "
+                       f"it as one of {list(MOE_ARCHITECTURES)}.")
+    return {}
+  moe = [cfg.layer_is_moe(i) for i in range(cfg.n_layers)]
+  coef = cfg.router_aux_loss_coef
+  out: dict[str, Any] = {
+      "num_experts_per_tok": cfg.n_experts_per_tok, "output_router_logits": coef > 0,
+      "router_aux_loss_coef": coef or extra.get("router_aux_loss_coef", 0.001)}
+  if arch == "mixtral":
+    if not all(moe) or not cfg.norm_topk_prob or cfg.moe_d_ff not in (None, cfg.d_ff) \
+        or cfg.shared_expert_d_ff:
+      raise ValueError("Mixtral's layers are all MoE, of width intermediate_size, with "
+                       "renormalized top-k weights and no shared expert: this model is "
+                       "not (write it as qwen2_moe or qwen3_moe).")
+    return {**out, "num_local_experts": cfg.n_experts, "router_jitter_noise": 0.0}
+  if bool(cfg.shared_expert_d_ff) != (arch == "qwen2_moe"):
+    raise ValueError(f"shared_expert_d_ff={cfg.shared_expert_d_ff} cannot be written as "
+                     f"{arch}: only Qwen2-MoE has (and needs) a shared expert.")
+  out.update({"num_experts": cfg.n_experts, "moe_intermediate_size": cfg.expert_d_ff,
+              "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
+              "mlp_only_layers": [i for i, m in enumerate(moe) if not m]})
+  if arch == "qwen2_moe":
+    out.update(shared_expert_intermediate_size=cfg.shared_expert_d_ff,
+               qkv_bias=cfg.qkv_bias)
+  return out
+
+
+# Read apart: the rotary settings (`_rope_from_hf`), the head width, the windows and
+# the experts.
 _SPECIAL = frozenset({"rope_theta", "rope_parameters", "rope_scaling", "head_dim",
                       "sliding_window", "use_sliding_window", "max_window_layers",
-                      "layer_types"})
+                      "layer_types"}) | _MOE_KEYS
 
 _MAPPED = {"vocab_size": "vocab_size", "hidden_size": "d_model",
            "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
@@ -191,7 +280,8 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
                     f"{sorted(ARCHITECTURES)} are implemented")
   theta, scaling, rope_problems = _rope_from_hf(hf)
   window, layer_types, window_problems = _windows_from_hf(hf, arch)
-  problems += rope_problems + window_problems
+  moe_kw, moe_problems = _moe_from_hf(hf, arch)
+  problems += rope_problems + window_problems + moe_problems
   for key, value in hf.items():
     if key in _MAPPED or key in NO_MATH_KEYS or key in _SPECIAL:
       continue
@@ -209,8 +299,9 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
   kw["sliding_window"], kw["layer_types"] = window, layer_types
   kw.setdefault("n_kv_heads", hf["num_attention_heads"])
   kw["tie_embeddings"] = bool(hf.get("tie_word_embeddings", False))
-  kw["qkv_bias"] = arch == "qwen2"
-  kw["qk_norm"] = arch == "qwen3"
+  kw["qkv_bias"] = FAMILY[arch] == "qwen2"
+  kw["qk_norm"] = FAMILY[arch] == "qwen3"
+  kw.update(moe_kw)
   kw["norm_eps"] = float(kw.get("norm_eps", 1e-6))
   head_dim = hf.get("head_dim")
   if head_dim is not None and head_dim * hf["num_attention_heads"] != hf["hidden_size"]:
@@ -250,8 +341,10 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
 
   Args:
     cfg: the model.
-    architecture: "llama", "qwen2", "qwen3" or "mistral" (default: qwen2 with q/k/v
-      biases, qwen3 with query/key norms, mistral with a sliding window, else llama).
+    architecture: a value of `ARCHITECTURES` (default: for a MoE model qwen2_moe with
+      a shared expert, qwen3_moe with query/key norms, else mixtral; for a dense one
+      qwen2 with q/k/v biases, qwen3 with query/key norms, mistral with a sliding
+      window, else llama).
     extra: a source config.json, whose keys that do not change the math (token
       ids and such) are kept.
 
@@ -260,18 +353,24 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
 
   Raises:
     ValueError: an unknown architecture, or what it cannot hold (q/k/v biases,
-      query/key norms, a sliding window, a mixed stack).
+      query/key norms, a sliding window, a mixed stack, experts).
   """
-  arch = architecture or ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
-                          "mistral" if cfg.sliding_window is not None else "llama")
+  if cfg.n_experts:
+    default = ("qwen2_moe" if cfg.shared_expert_d_ff else "qwen3_moe" if cfg.qk_norm
+               else "mixtral")
+  else:
+    default = ("qwen2" if cfg.qkv_bias else "qwen3" if cfg.qk_norm else
+               "mistral" if cfg.sliding_window is not None else "llama")
+  arch = architecture or default
   if arch not in ARCHITECTURES.values():
     raise ValueError(f"architecture={arch!r} is not one of {sorted(ARCHITECTURES.values())}.")
-  if cfg.qkv_bias != (arch == "qwen2"):
+  family = FAMILY[arch]
+  if arch != "qwen2_moe" and cfg.qkv_bias != (family == "qwen2"):
     raise ValueError(f"qkv_bias={cfg.qkv_bias} cannot be written as {arch}: only Qwen2 "
-                     "has q/k/v biases.")
-  if cfg.qk_norm != (arch == "qwen3"):
+                     "has (and needs) q/k/v biases.")
+  if cfg.qk_norm != (family == "qwen3"):
     raise ValueError(f"qk_norm={cfg.qk_norm} cannot be written as {arch}: only Qwen3 "
-                     "has query/key norms.")
+                     "has (and needs) query/key norms.")
   name = {v: k for k, v in ARCHITECTURES.items()}[arch]
   out = {"architectures": [name], "model_type": arch, "vocab_size": cfg.vocab_size,
          "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
@@ -284,7 +383,8 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
   if arch == "llama":
     out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
   out.update(_windows_to_hf(cfg, arch))
-  if arch == "qwen3":
+  out.update(_moe_to_hf(cfg, arch, extra or {}))
+  if family == "qwen3":
     out.update(attention_bias=False)
   for k, v in (extra or {}).items():
     if k in NO_MATH_KEYS and k not in ("architectures", "model_type"):

@@ -12,10 +12,11 @@ from megatrain_jax.models.config import LlamaConfig
 def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
   """Model FLOPs per trained token, forward + backward, recompute excluded.
 
-  6 x non-embedding parameters (blocks and final norm), plus the LM head's
-  [D, V] matmul (6 x D x V: real work, unlike the embedding lookup), plus
-  attention scores and weighted values: 4 x T x D per layer forward, x3 for
-  forward + backward = 12 x n_layers x T x D. Causal masking is not discounted,
+  6 x non-embedding parameters a token runs through (blocks and final norm; of
+  an MoE layer, the router and its top-k experts), plus the LM head's [D, V]
+  matmul (6 x D x V: real work, unlike the embedding lookup), plus attention
+  scores and weighted values: 4 x T x (heads x head width) per layer forward, x3
+  for forward + backward. Causal masking and sliding windows are not discounted,
   as in the usual MFU convention.
 
   Args:
@@ -25,9 +26,9 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
   Returns:
     The FLOPs of one token.
   """
-  n = cfg.param_count(include_embeddings=False)
+  n = cfg.param_count(include_embeddings=False, active=True)
   head = cfg.d_model * cfg.vocab_size
-  return 6.0 * (n + head) + 12.0 * cfg.n_layers * seq_len * cfg.d_model
+  return 6.0 * (n + head) + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
 def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
@@ -40,7 +41,8 @@ def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
   Returns:
     The extra FLOPs of one token.
   """
-  return 2.0 * cfg.n_layers * cfg.block_param_count() + 4.0 * cfg.n_layers * seq_len * cfg.d_model
+  blocks = sum(cfg.block_param_count(i, active=True) for i in range(cfg.n_layers))
+  return 2.0 * blocks + 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
 class MetricsWriter:

@@ -56,6 +56,12 @@ CASES = {
             original_max_position_embeddings=8), sliding_window=5, layer_types=(
                 "full_attention", "sliding_attention", "sliding_attention",
                 "full_attention")), ADAMW, dict(checkpoint_every=2)),
+    # Mixture-of-experts layers (Qwen2-MoE's shape: a shared expert, no renormalized
+    # top-k) mixed with a dense one, the load-balancing loss in the training loss.
+    "moe_mixed_shared_aux": (BASE.replace(
+        d_ff=48, n_experts=4, n_experts_per_tok=2, moe_d_ff=16, shared_expert_d_ff=24,
+        norm_topk_prob=False, moe_layers=(True, False, True, True),
+        router_aux_loss_coef=0.1), ADAMW, dict(checkpoint_every=2)),
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),

@@ -1,4 +1,5 @@
-"""Parity with `transformers` (PyTorch, CPU, fp32) for Llama, Qwen2, Qwen3 and Mistral checkpoints."""
+"""Parity with `transformers` (PyTorch, CPU, fp32) for Llama, Qwen2, Qwen3, Mistral, Mixtral,
+Qwen2-MoE and Qwen3-MoE checkpoints."""
 
 import json
 import os
@@ -50,7 +51,21 @@ CASES = {
     "llama_yarn_rope": ("LlamaConfig", "LlamaForCausalLM", "llama", {"rope_parameters": {
         "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
         "original_max_position_embeddings": 16}}),
+    # Mixture-of-experts, each with its load-balancing loss in the training loss.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", "mixtral", {
+        "num_local_experts": 4, "num_experts_per_tok": 2, "output_router_logits": True,
+        "router_aux_loss_coef": 0.05}),
+    # A dense layer 0 (mlp_only_layers), a shared expert, top-k weights as routed.
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", "qwen2_moe", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 48, "mlp_only_layers": [0],
+        "norm_topk_prob": False, "output_router_logits": True, "router_aux_loss_coef": 0.05}),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", "qwen3_moe", {
+        "head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16, "norm_topk_prob": True, "output_router_logits": True,
+        "router_aux_loss_coef": 0.05}),
 }
+MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _hf_model(case, **overrides):
@@ -92,6 +107,28 @@ def test_logits_match(checkpoint):
                              rtol=0, atol=1e-4)
 
 
+def _grads_as_saved(ref, layer):
+  """Layer `layer`'s gradients under the tensor names save_pretrained writes (in memory,
+  transformers 5 holds each MoE layer's experts fused: gate_up_proj [E, 2F, D])."""
+  out, mixtral = {}, isinstance(ref, transformers.MixtralForCausalLM)
+  disk = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {}
+  for n, p in ref.named_parameters():
+    if not n.startswith(f"model.layers.{layer}."):
+      continue
+    g, pre = p.grad.numpy(), n.rsplit(".", 1)[0]
+    if mixtral:
+      pre = pre.replace(".mlp.", ".block_sparse_moe.").replace(".mlp", ".block_sparse_moe")
+    if n.endswith("experts.gate_up_proj") or n.endswith("experts.down_proj"):
+      parts = ({"gate_proj": g[:, :g.shape[1] // 2], "up_proj": g[:, g.shape[1] // 2:]}
+               if n.endswith("gate_up_proj") else {"down_proj": g})
+      for kind, x in parts.items():
+        for e in range(x.shape[0]):
+          out[f"{pre}.{e}.{disk.get(kind, kind)}.weight"] = x[e]
+    else:
+      out[f"{pre}.{n.rsplit('.', 1)[1]}"] = g
+  return out
+
+
 def test_loss_and_layer_gradient_match_autograd(checkpoint):
   case, d, ref = checkpoint
   cfg, model = hf.from_pretrained(d)
@@ -105,19 +142,38 @@ def test_loss_and_layer_gradient_match_autograd(checkpoint):
       reduction="none")
   mask = torch.tensor(batch["loss_mask"]).reshape(-1)
   ref_loss = (ce * mask).sum() / mask.sum()
+  if case in MOE:  # as the model's own training loss adds it
+    aux = ref(torch.tensor(batch["input_ids"], dtype=torch.long),
+              output_router_logits=True).aux_loss
+    ref_loss = ref_loss + ref.config.router_aux_loss_coef * aux
   ref_loss.backward()
   np.testing.assert_allclose(loss, ref_loss.item(), rtol=1e-4)
-  params = dict(ref.named_parameters())
-  names = hf.block_tensor_names(1, cfg)  # every tensor of layer 1, biases and norms too
-  assert len(names) == (12 if CASES[case][2] == "qwen2" else 11 if CASES[case][2] == "qwen3"
-                        else 9)
-  assert set(names) == {n for n in params if n.startswith("model.layers.1.")}
+  params = _grads_as_saved(ref, 1)
+  names = hf.block_tensor_names(1, cfg, CASES[case][2])  # every tensor of layer 1
+  if case not in MOE:
+    assert len(names) == (12 if CASES[case][2] == "qwen2" else 11 if CASES[case][2] == "qwen3"
+                          else 9)
+  assert set(names) == set(params)
   for name, (path, transpose) in names.items():
-    want = params[name].grad.numpy()
+    want = params[name]
     got = np.asarray(hf.tree_get(grads["blocks"][1], path))
     got = got.T if transpose else got
     scale = np.abs(want).max()
     assert np.abs(got - want).max() <= 1e-4 * scale, name
+
+
+@pytest.mark.parametrize("case", MOE)
+def test_load_balancing_loss_matches(case, tmp_path):
+  ref = _hf_model(case)
+  ref.save_pretrained(str(tmp_path))
+  cfg, model = hf.from_pretrained(str(tmp_path))
+  assert cfg.router_aux_loss_coef == 0.05 and cfg.n_experts == 4
+  ids = _batch(3)["input_ids"]
+  _, aux = mt.models.llama.forward_and_aux(cfg, model.param_tree(), jnp.asarray(ids))
+  with torch.no_grad():
+    want = ref(torch.tensor(ids, dtype=torch.long), output_router_logits=True).aux_loss
+  assert want.item() > 0
+  np.testing.assert_allclose(float(aux), want.item(), rtol=1e-5)
 
 
 def test_export_loads_in_transformers_with_the_same_logits(checkpoint, tmp_path):

@@ -5,7 +5,7 @@ import pytest
 from flax import nnx
 
 import megatrain_jax as mt
-from megatrain_jax.models import llama
+from megatrain_jax.models import layers, llama
 from conftest import TINY
 
 
@@ -46,7 +46,7 @@ def _mha_reference(cfg, p, x, positions):
   q = (x @ p["q"]["kernel"]).reshape(b, t, cfg.n_heads, hd)
   k = (x @ p["k"]["kernel"]).reshape(b, t, cfg.n_heads, hd)
   v = (x @ p["v"]["kernel"]).reshape(b, t, cfg.n_heads, hd)
-  q, k = llama.rotary(q, positions, cfg.rope_theta), llama.rotary(k, positions, cfg.rope_theta)
+  q, k = layers.rotary(q, positions, cfg.rope_theta), layers.rotary(k, positions, cfg.rope_theta)
   s = jnp.einsum("bqhd,bkhd->bhqk", q, k) / np.sqrt(hd)
   s = jnp.where(jnp.tril(jnp.ones((t, t), bool)), s, -jnp.inf)
   o = jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(s, -1), v)
@@ -58,7 +58,7 @@ def test_gqa_with_all_kv_heads_is_multi_head_attention():
   p = llama.init_block(cfg, jax.random.key(1))["attn"]
   x = jax.random.normal(jax.random.key(2), (2, 9, cfg.d_model))
   pos = jnp.arange(9)
-  np.testing.assert_allclose(llama.attention(cfg, p, x, pos),
+  np.testing.assert_allclose(layers.attention(cfg, p, x, pos),
                              _mha_reference(cfg, p, x, pos), atol=1e-5)
 
 
@@ -75,7 +75,7 @@ def test_gqa_equals_mha_with_repeated_kv_heads():
 
   mha_p = dict(p, k={"kernel": repeat(p["k"]["kernel"])}, v={"kernel": repeat(p["v"]["kernel"])})
   mha_cfg = cfg.replace(n_kv_heads=cfg.n_heads)
-  np.testing.assert_allclose(llama.attention(cfg, p, x, jnp.arange(9)),
+  np.testing.assert_allclose(layers.attention(cfg, p, x, jnp.arange(9)),
                              _mha_reference(mha_cfg, mha_p, x, jnp.arange(9)), atol=1e-5)
 
 

@@ -69,9 +69,10 @@ def test_config_validation_in_library():
     train_lib.TrainConfig(engine="gpu-magic").validate()
 
 
-def test_streaming_and_resident_runs_agree(tmp_path):
+@pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
+def test_streaming_and_resident_runs_agree(tmp_path, model):
   common = dict(steps=4, batch_size=4, seq_len=32, max_data_bytes=200_000, log_every=1,
-                progress=False)
+                progress=False, model=model)
   a = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "s"), engine="streaming",
                                           **common))
   b = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "r"), engine="resident",

@@ -84,7 +84,7 @@ def template_times(s: Suite) -> dict[str, Any]:
       x, inputs = tpl.embed_fwd(units[0], ids), []
       for i in range(n):
         inputs.append(x)
-        x = tpl.block_fwd(units[1 + i], x, i)
+        x = tpl.block_fwd(units[1 + i], x, i)[0]
       _, g, _, g_e, _ = tpl.head(units[n + 1], tied, x, labels, mask, scale)
       for i in reversed(range(n)):
         g, _, _ = tpl.block_bwd(units[1 + i], inputs[i], g, i)

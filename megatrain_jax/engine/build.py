@@ -37,11 +37,12 @@ def host_units(cfg: LlamaConfig, key: jax.Array) -> Iterator[Any]:
   """
   host = jax.devices("cpu")[0]
   base = nnx.Rngs(params=key).params()  # the base key `Llama.__init__` draws
-  init_block = jax.jit(lambda k: llama.init_block(cfg, k), device=host)
+  init_block = jax.jit(lambda k, moe: llama.init_block(cfg, k, moe), static_argnums=1,
+                       device=host)
   with jax.default_device(host):
     yield jax.jit(lambda k: llama.init_embed(cfg, k))(llama.unit_key(base, "embed"))
     for i in range(cfg.n_layers):
-      yield init_block(llama.unit_key(base, "block", i))
+      yield init_block(llama.unit_key(base, "block", i), cfg.layer_is_moe(i))
     yield jax.jit(lambda k: llama.init_head(cfg, k))(llama.unit_key(base, "head"))
 
 
@@ -65,8 +66,16 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
 
   Raises:
     ValueError: the parameters in flight alone exceed the device budget, the
-      transform cannot run as `optimizer_mode` asks, or the wrong number of units.
+      transform cannot run as `optimizer_mode` asks, the wrong number of units, or
+      a load-balancing loss with grad_accum > 1.
   """
+  if ec.grad_accum > 1 and cfg.router_aux_loss_coef and cfg.n_experts:
+    raise ValueError(
+        f"router_aux_loss_coef={cfg.router_aux_loss_coef} with grad_accum={ec.grad_accum}: "
+        "the load-balancing loss counts every token of the batch in every MoE layer, "
+        "which a micro-batch's backward cannot know before the later micro-batches "
+        "have run. Use grad_accum=1 (a smaller batch, or more memory), or "
+        "router_aux_loss_coef=0.")
   if ec.return_freed_memory:
     host_memory.return_freed_memory()
   schedule = Schedule.build(cfg, ec)
@@ -79,11 +88,11 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   if ec.device_budget_bytes is not None and static > ec.device_budget_bytes:
     raise preflight.device_budget_error("Holding the parameters in flight alone", {"total": static},
                                      ec.device_budget_bytes, unit=2**20)
-  specs, masters = [], []
+  specs, masters, kinds = [], [], {}
   for u, tree in enumerate(unit_trees):
     spec = FlatSpec(tree)
-    if 1 < u <= cfg.n_layers and spec == specs[-1]:
-      spec = specs[-1]  # blocks share one spec object, hence one template
+    if 1 <= u <= cfg.n_layers:
+      spec = kinds.setdefault(spec, spec)  # blocks of one structure share one spec
     specs.append(spec)
     masters.append(spec.flatten_np(tree))
   if len(specs) != schedule.n_units:
@@ -98,6 +107,6 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                host_opt.mode, f" (fused AdamW on {host_opt.threads} threads)"
                if host_opt.fused else "", ec.dtype_name,
                "kept" if keep else "made at each fetch")
-  templates = Templates(cfg, specs[0], specs[1] if cfg.n_layers else None, specs[-1],
+  templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens)
   return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)

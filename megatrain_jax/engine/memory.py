@@ -29,20 +29,16 @@ from megatrain_jax.models.loss import default_chunk_tokens
 GiB = 2**30
 
 
-@functools.lru_cache(maxsize=256)
 def unit_trees(cfg: LlamaConfig) -> tuple[Any, ...]:
-  """The distinct unit structures' abstract trees, without allocating.
+  """Every unit's abstract tree, without allocating (`llama.abstract_units`).
 
   Args:
     cfg: the model.
 
   Returns:
-    ShapeDtypeStruct trees of the embedding, one block and the head.
+    ShapeDtypeStruct trees of the embedding, each block and the head.
   """
-  key = jax.random.key(0)
-  return (jax.eval_shape(lambda: llama.init_embed(cfg, key)),
-          jax.eval_shape(lambda: llama.init_block(cfg, key)),
-          jax.eval_shape(lambda: llama.init_head(cfg, key)))
+  return llama.abstract_units(cfg)
 
 
 def _size(tree) -> int:
@@ -55,8 +51,7 @@ def _nbytes(tree) -> int:
 
 @functools.lru_cache(maxsize=256)
 def _sizes(cfg: LlamaConfig) -> tuple[int, ...]:
-  e, b, h = (_size(t) for t in unit_trees(cfg))
-  return (e,) + (b,) * cfg.n_layers + (h,)
+  return tuple(_size(t) for t in unit_trees(cfg))
 
 
 def unit_sizes(cfg: LlamaConfig) -> list[int]:
@@ -126,9 +121,15 @@ def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
 
 # -- host ---------------------------------------------------------------------------
 
-def _state_bytes(cfg: LlamaConfig, optimizer) -> tuple[int, int, int]:
-  """Optimizer-state bytes of the embedding, one block and the head."""
-  return tuple(_nbytes(jax.eval_shape(optimizer.init, t)) for t in unit_trees(cfg))
+def _state_bytes(cfg: LlamaConfig, optimizer) -> list[int]:
+  """Optimizer-state bytes of each unit (traced once per distinct structure)."""
+  by_tree: dict[int, int] = {}
+  out = []
+  for t in unit_trees(cfg):
+    if id(t) not in by_tree:
+      by_tree[id(t)] = _nbytes(jax.eval_shape(optimizer.init, t))
+    out.append(by_tree[id(t)])
+  return out
 
 
 def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
@@ -147,12 +148,11 @@ def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformatio
   """
   r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
   mode, inner = r.mode, r.optimizer
-  e, b, h = _sizes(cfg)[0], _sizes(cfg)[1], _sizes(cfg)[-1]
-  se, sb, sh = _state_bytes(cfg, inner)
+  sizes, states = _sizes(cfg), _state_bytes(cfg, inner)
   if mode == "whole_tree":  # units hold masters; the state is one more part
-    largest = max(4 * max(e, b, h), se + cfg.n_layers * sb + sh)
+    largest = max(4 * max(sizes), sum(states))
   else:
-    largest = max(4 * e + se, 4 * b + sb, 4 * h + sh)
+    largest = max(4 * n + s for n, s in zip(sizes, states))
   return max_copies * largest
 
 
@@ -181,13 +181,13 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   cd = jnp.dtype(ec.compute_dtype).itemsize
   r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
   mode, inner = r.mode, r.optimizer
-  e, b, h = _state_bytes(cfg, inner)
+  states = _state_bytes(cfg, inner)
   deferred = mode in ("whole_tree", "clipped") or ec.nonfinite == "skip"
   queued = (2 * MAX_PENDING_GRADIENTS + 1) * 4 * max(sizes)
   copies = snapshot_copy_bytes(cfg, optimizer, ec)
   out = {
       "masters": 4 * n,
-      "optimizer_state": e + cfg.n_layers * b + h,
+      "optimizer_state": sum(states),
       "gradient_buffers": (4 * n if deferred or ec.grad_accum > 1 else 0) + queued,
       "pinned_copies": cd * (n + max(sizes)) if keeps_stream_copy(ec, on_cpu) else 0,
       "checkpoint_copies": 2 * copies,
@@ -404,8 +404,8 @@ def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformat
     (activations are not counted).
   """
   n = sum(unit_sizes(cfg))
-  e, b, h = _state_bytes(cfg, optimizer)
-  out = {"params": 4 * n, "gradients": 4 * n, "optimizer_state": e + cfg.n_layers * b + h}
+  out = {"params": 4 * n, "gradients": 4 * n,
+         "optimizer_state": sum(_state_bytes(cfg, optimizer))}
   out["total"] = sum(out.values())
   return out
 

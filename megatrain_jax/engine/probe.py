@@ -62,15 +62,6 @@ class Resolution(NamedTuple):
   reason: str = ""
 
 
-@functools.lru_cache(maxsize=64)
-def _abstract_units(cfg: LlamaConfig) -> tuple[Any, ...]:
-  key = jax.random.key(0)
-  embed = jax.eval_shape(lambda: llama.init_embed(cfg, key))
-  block = jax.eval_shape(lambda: llama.init_block(cfg, key))
-  head = jax.eval_shape(lambda: llama.init_head(cfg, key))
-  return (embed,) + (block,) * cfg.n_layers + (head,)
-
-
 def whole_model_units(cfg: LlamaConfig) -> tuple[Any, ...]:
   """Every unit's abstract parameter tree, without allocating.
 
@@ -80,7 +71,7 @@ def whole_model_units(cfg: LlamaConfig) -> tuple[Any, ...]:
   Returns:
     ShapeDtypeStruct trees of the embedding, each block and the head.
   """
-  return _abstract_units(cfg)
+  return llama.abstract_units(cfg)
 
 
 def miniature_units(cfg: LlamaConfig) -> tuple[Any, ...]:
@@ -93,7 +84,7 @@ def miniature_units(cfg: LlamaConfig) -> tuple[Any, ...]:
     Abstract fp32 trees, in unit order.
   """
   return tuple(jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      tuple(min(d, 3) for d in x.shape), jnp.float32), t) for t in _abstract_units(cfg))
+      tuple(min(d, 3) for d in x.shape), jnp.float32), t) for t in llama.abstract_units(cfg))
 
 
 def _fill(tree, rng: np.random.Generator, scale: float):

@@ -3,7 +3,9 @@
   forward   embed, then every block through its template, keeping the block input
             every `checkpoint_every` layers; the prefetcher moves the next units to
             the device while the current one computes;
-  head      final norm + LM head + chunked CE, value and gradient in one call;
+  head      final norm + LM head + chunked CE, value and gradient in one call; the
+            MoE layers' router stats give the load-balancing loss and the
+            gradient each router's probabilities get from it;
   backward  blocks in reverse groups: recompute the group's inputs from its
             checkpoint, then `jax.vjp` layer by layer (each backward template
             recomputes its layer's forward); a group's parameters are fetched once
@@ -27,6 +29,7 @@ from megatrain_jax.engine.nonfinite import StepGuard
 from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.engine.templates import Templates
+from megatrain_jax.models import moe
 
 
 def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str, Any],
@@ -72,16 +75,19 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   x = tpl.embed_fwd(p, ids)
   release(key, x)
   act_bytes = x.nbytes
-  ckpts, starts = {}, {s for s, _ in schedule.groups}
+  ckpts, starts, router = {}, {s for s, _ in schedule.groups}, []
   for i in range(schedule.n_layers):
     if i in starts:
       ckpts[i] = x
       ledger.add(("ckpt", i), act_bytes)
     p, key = get(1 + i)
-    x = tpl.block_fwd(p, x, i)
+    x, stats = tpl.block_fwd(p, x, i)
+    if stats is not None:
+      router.append(stats)
     ledger.add("x", act_bytes)
     release(key, x)
   p = None  # a released buffer must not stay alive through the backward
+  aux_sum, g_probs = _load_balancing(tpl.cfg, router, ids.size, scale)
 
   p_h, key_h = get(schedule.head)
   p_e, key_e = get(schedule.embed) if schedule.tied else (None, None)
@@ -90,6 +96,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   release(key_e, g)
   p_h = p_e = None
   ledger.add("g", act_bytes)
+  loss_sum = loss_sum + aux_sum
   guard.loss_parts.append(loss_sum)  # before any gradient: updates wait for it
   if g_e is not None:
     ledger.add("tied_embedding_grad", g_e.nbytes)
@@ -101,10 +108,10 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     params = [get(1 + i) for i in range(s, e)]
     xs = [ckpts.pop(s)]
     for j in range(e - s - 1):
-      xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j))
+      xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j)[0])
       ledger.add(("recompute", j), act_bytes)
     for j in reversed(range(e - s)):
-      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j)
+      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j, g_probs)
       release(params[j][1], g)
       params[j], xs[j] = None, None  # released: nothing keeps them alive
       ledger.add(("grad", 1 + s + j), g_p.nbytes)
@@ -126,6 +133,17 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     send(1, *layer0)
   pf.job_done()  # no activation is left: the next job may use its start buffers
   return loss_sum, sum(batch[k].nbytes for k in ("input_ids", "labels", "loss_mask"))
+
+
+def _load_balancing(cfg, router: list, tokens: int, scale: jax.Array
+                    ) -> tuple[jax.Array, jax.Array | None]:
+  """The load-balancing loss, in the units of a loss sum (times 1 / scale), and the
+  gradient every MoE layer's router-probability sum gets from it."""
+  if not router or not cfg.router_aux_loss_coef:
+    return jnp.float32(0.0), None
+  stats, rows = moe.total_stats(router), len(router) * tokens
+  aux = cfg.router_aux_loss_coef * moe.aux_loss(cfg, stats, rows)
+  return aux / scale, moe.aux_grad(cfg, stats.picks, rows)
 
 
 def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], total: float,

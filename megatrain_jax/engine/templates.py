@@ -3,9 +3,10 @@
 Each distinct unit structure has one stateless template: the unit's flat
 compute-dtype parameters and the activations are arguments, nothing is baked in,
 so one compiled block serves every layer of a structure however deep the model.
-A layer's structure is what changes its compiled code: today its attention window
-(`LlamaConfig.layer_window`), so a stack that mixes sliding and full attention has
-two block templates. `compiles` counts traces (one per structure and signature).
+A layer's structure is what changes its compiled code: its parameter layout (dense
+or mixture-of-experts) and its attention window (`LlamaConfig.layer_window`), so a
+stack that mixes sliding and full attention, or dense and MoE layers, has one block
+template per kind. `compiles` counts traces (one per structure and signature).
 """
 
 from __future__ import annotations
@@ -38,10 +39,13 @@ class Templates:
 
   Attributes (each a jitted function; flat arguments are compute-dtype units):
     embed_fwd(flat_e, ids) -> x
-    block_fwd(flat_b, x, layer) -> x: `layer` picks the layer's structure (a method
-      over one jitted function per structure).
-    block_bwd(flat_b, x, g, layer) -> (g_x, g_flat, finite): the layer's forward is
-      recomputed inside; `finite` says whether g_flat is all finite.
+    block_fwd(flat_b, x, layer) -> (x, stats): `layer` picks the layer's structure
+      (a method over one jitted function per structure); `stats` is an MoE layer's
+      `moe.RouterStats`, None for a dense one.
+    block_bwd(flat_b, x, g, layer, g_probs) -> (g_x, g_flat, finite): the layer's
+      forward is recomputed inside; `g_probs` is the gradient of an MoE layer's router
+      probability sum (the load-balancing loss's; None for a dense layer);
+      `finite` says whether g_flat is all finite.
     head(flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x, g_h, g_e,
       finite): final norm, LM head and chunked cross-entropy, value and gradient;
       the vjp is seeded with `scale` (1 / the batch's mask sum); g_e is the tied
@@ -50,33 +54,37 @@ class Templates:
       scatter-add, in fp32, plus the head's part when tied.
   """
 
-  def __init__(self, cfg: LlamaConfig, embed: FlatSpec, block: FlatSpec | None,
+  def __init__(self, cfg: LlamaConfig, embed: FlatSpec, blocks: list[FlatSpec],
                head: FlatSpec, compute_dtype: Any, loss_chunk_tokens: int | None = None):
     """Builds (does not yet compile) the templates.
 
     Args:
       cfg: the model.
       embed: the embedding's flat layout.
-      block: a block's flat layout (None with no layers).
+      blocks: each block's flat layout (blocks of one structure may share one).
       head: the head's flat layout.
       compute_dtype: the dtype units and activations compute in.
       loss_chunk_tokens: tokens per chunk of logits (None: the loss's default).
     """
     self._counts: dict[str, int] = {}
+    self.cfg = cfg
     cd, tied, chunk = jnp.dtype(compute_dtype), cfg.tie_embeddings, loss_chunk_tokens
 
     def embed_fwd(flat, ids):
       return llama.embed_apply(embed.unflatten(flat), ids, cd)
 
-    self._windows = tuple(cfg.layer_window(i) for i in range(cfg.n_layers))
+    # Each layer's structure: (its flat layout, its window), static in the templates.
+    self._kinds = tuple((blocks[i], cfg.layer_window(i)) for i in range(cfg.n_layers))
 
-    def block_fwd(flat, x, window):
-      return llama.block_apply(cfg, block.unflatten(flat), x, window=window)
+    def block_fwd(flat, x, spec, window):
+      return llama.block_apply_stats(cfg, spec.unflatten(flat), x, window=window)
 
-    def block_bwd(flat, x, g, window):
-      _, vjp = jax.vjp(lambda f, x: llama.block_apply(cfg, block.unflatten(f), x,
-                                                      window=window), flat, x)
-      g_flat, g_x = vjp(g)
+    def block_bwd(flat, x, g, g_probs, spec, window):
+      def f(fl, x):
+        y, stats = llama.block_apply_stats(cfg, spec.unflatten(fl), x, window=window)
+        return y, None if stats is None else stats.probs
+      _, vjp = jax.vjp(f, flat, x)
+      g_flat, g_x = vjp((g, g_probs))
       return g_x, g_flat, all_finite(g_flat)
 
     def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
@@ -97,12 +105,12 @@ class Templates:
       return g, all_finite(g)
 
     self.embed_fwd = jax.jit(self._counted("embed_fwd", embed_fwd))
-    self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=2)
-    self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=3)
+    self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(2, 3))
+    self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=(4, 5))
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
 
-  def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int) -> jax.Array:
+  def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int) -> tuple[jax.Array, Any]:
     """Layer `layer`'s forward.
 
     Args:
@@ -111,12 +119,12 @@ class Templates:
       layer: its index (0-based), which picks its structure's template.
 
     Returns:
-      Its output.
+      (its output, its `moe.RouterStats` or None for a dense layer).
     """
-    return self._block_fwd(flat, x, self._windows[layer])
+    return self._block_fwd(flat, x, *self._kinds[layer])
 
-  def block_bwd(self, flat: jax.Array, x: jax.Array, g: jax.Array, layer: int
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def block_bwd(self, flat: jax.Array, x: jax.Array, g: jax.Array, layer: int,
+                g_probs: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Layer `layer`'s backward (its forward recomputed inside).
 
     Args:
@@ -124,12 +132,19 @@ class Templates:
       x: its input.
       g: the gradient of its output.
       layer: its index (0-based).
+      g_probs: the router-probability gradient of the load-balancing loss (fp32 [E];
+        None: zeros); ignored by a dense layer.
 
     Returns:
       (the gradient of its input, of its flat parameters, whether the latter is
       all finite).
     """
-    return self._block_bwd(flat, x, g, self._windows[layer])
+    spec, window = self._kinds[layer]
+    if not self.cfg.layer_is_moe(layer):
+      g_probs = None
+    elif g_probs is None:
+      g_probs = jnp.zeros((self.cfg.n_experts,), jnp.float32)
+    return self._block_bwd(flat, x, g, g_probs, spec, window)
 
   def block_memory(self, flat: jax.Array, x: jax.Array, layer: int = 0) -> dict[str, Any]:
     """XLA's memory analysis of a layer's compiled forward and backward.
@@ -142,9 +157,12 @@ class Templates:
     Returns:
       {"block_fwd": analysis, "block_bwd": analysis} (`temp_size_in_bytes` etc.).
     """
-    w = self._windows[layer]
-    return {"block_fwd": self._block_fwd.lower(flat, x, w).compile().memory_analysis(),
-            "block_bwd": self._block_bwd.lower(flat, x, x, w).compile().memory_analysis()}
+    kind = self._kinds[layer]
+    g_probs = (jnp.zeros((self.cfg.n_experts,), jnp.float32)
+               if self.cfg.layer_is_moe(layer) else None)
+    return {"block_fwd": self._block_fwd.lower(flat, x, *kind).compile().memory_analysis(),
+            "block_bwd": self._block_bwd.lower(flat, x, x, g_probs, *kind).compile()
+            .memory_analysis()}
 
   def _counted(self, name: str, fn):
     def traced(*args):

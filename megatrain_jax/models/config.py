@@ -9,7 +9,10 @@ from megatrain_jax.models.rope import RopeScaling
 
 # Fields added after checkpoints were first written: `to_dict` leaves them out at their
 # defaults, so that settings recorded before them still compare equal on resume.
-_LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm", "sliding_window", "layer_types")
+_LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm", "sliding_window", "layer_types",
+                 "n_experts", "n_experts_per_tok", "moe_d_ff", "shared_expert_d_ff",
+                 "norm_topk_prob", "moe_layers", "router_aux_loss_coef")
+
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
@@ -28,6 +31,15 @@ class LlamaConfig:
   token attend to itself and the W - 1 tokens before it; `layer_types` names each
   layer's attention, "full_attention" or "sliding_attention" (None: every layer
   slides when `sliding_window` is set). `layer_window(i)` is layer i's window.
+
+  Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE) have `n_experts` SwiGLU
+  experts of width `moe_d_ff` (None: d_ff); a softmax router picks
+  `n_experts_per_tok` per token, their weights renormalized to sum to one when
+  `norm_topk_prob`. `shared_expert_d_ff` adds Qwen2-MoE's shared expert with its
+  sigmoid gate. `moe_layers` says which layers are MoE (None: all, when n_experts > 0);
+  the others are dense with width d_ff. `router_aux_loss_coef` weights the
+  load-balancing loss added to the training loss (0: none), defined as in
+  `transformers` (`models.moe.aux_loss`).
   """
 
   vocab_size: int = 260
@@ -46,6 +58,13 @@ class LlamaConfig:
   qk_norm: bool = False
   sliding_window: int | None = None
   layer_types: tuple[str, ...] | None = None
+  n_experts: int = 0
+  n_experts_per_tok: int = 2
+  moe_d_ff: int | None = None
+  shared_expert_d_ff: int | None = None
+  norm_topk_prob: bool = True
+  moe_layers: tuple[bool, ...] | None = None
+  router_aux_loss_coef: float = 0.0
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -88,6 +107,7 @@ class LlamaConfig:
       if "sliding_attention" in self.layer_types and self.sliding_window is None:
         raise ValueError("LlamaConfig.layer_types has sliding layers but sliding_window "
                          "is None: set the window's width.")
+    self._check_moe()
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
@@ -102,6 +122,49 @@ class LlamaConfig:
   def head_dim(self) -> int:
     """The width of one attention head."""
     return self.attn_head_dim or self.d_model // self.n_heads
+
+  def _check_moe(self):
+    for name in ("n_experts", "n_experts_per_tok"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"LlamaConfig.{name} must be a non-negative integer, got {value!r}.")
+    for name in ("moe_d_ff", "shared_expert_d_ff"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value <= 0):
+        raise ValueError(f"LlamaConfig.{name} must be a positive integer or None, got "
+                         f"{value!r}.")
+    if self.n_experts and not 1 <= self.n_experts_per_tok <= self.n_experts:
+      raise ValueError(f"LlamaConfig.n_experts_per_tok={self.n_experts_per_tok} must be "
+                       f"between 1 and n_experts={self.n_experts}.")
+    if not isinstance(self.router_aux_loss_coef, (int, float)) or self.router_aux_loss_coef < 0:
+      raise ValueError(f"LlamaConfig.router_aux_loss_coef must be a number >= 0, got "
+                       f"{self.router_aux_loss_coef!r}.")
+    if self.moe_layers is not None:
+      if isinstance(self.moe_layers, list):  # as read back from JSON
+        object.__setattr__(self, "moe_layers", tuple(self.moe_layers))
+      if (not isinstance(self.moe_layers, tuple) or len(self.moe_layers) != self.n_layers
+          or any(not isinstance(m, bool) for m in self.moe_layers)):
+        raise ValueError(f"LlamaConfig.moe_layers must hold one bool for each of the "
+                         f"n_layers={self.n_layers} layers, got {self.moe_layers!r}.")
+      if any(self.moe_layers) and not self.n_experts:
+        raise ValueError("LlamaConfig.moe_layers names MoE layers but n_experts is 0.")
+
+  def layer_is_moe(self, i: int) -> bool:
+    """Whether layer i is a mixture-of-experts layer.
+
+    Args:
+      i: the layer (0-based).
+
+    Returns:
+      True for an MoE layer, False for a dense one.
+    """
+    return bool(self.n_experts) and (self.moe_layers is None or self.moe_layers[i])
+
+  @property
+  def expert_d_ff(self) -> int:
+    """The width of one expert."""
+    return self.moe_d_ff or self.d_ff
 
   def layer_window(self, i: int) -> int | None:
     """Layer i's attention window.
@@ -135,18 +198,26 @@ class LlamaConfig:
       Field name -> value; the fields added later are left out at their defaults.
     """
     out = dataclasses.asdict(self)
-    if self.layer_types is not None:
-      out["layer_types"] = list(self.layer_types)
+    for name in ("layer_types", "moe_layers"):
+      if out[name] is not None:
+        out[name] = list(out[name])
+    defaults = {f.name: f.default for f in dataclasses.fields(self)}
     for name in _LATER_FIELDS:
-      if out[name] in (None, False):
+      if getattr(self, name) == defaults[name]:
         del out[name]
     return out
 
-  def block_param_count(self) -> int:
+  def block_param_count(self, layer: int = 0, active: bool = False) -> int:
     """Parameters of one decoder block.
 
+    Args:
+      layer: which block (MoE and dense layers differ).
+      active: count only the experts one token runs through (n_experts_per_tok of
+        them), for FLOPs.
+
     Returns:
-      The count: attention (with biases and q/k norms if any), MLP and the two norms.
+      The count: attention (with biases and q/k norms if any), MLP (router, experts
+      and shared expert for an MoE layer) and the two norms.
     """
     d, hd = self.d_model, self.head_dim
     q, kv = self.n_heads * hd, self.n_kv_heads * hd
@@ -156,19 +227,26 @@ class LlamaConfig:
     if self.qk_norm:
       attn += 2 * hd
     mlp = 3 * d * self.d_ff
+    if self.layer_is_moe(layer):
+      experts = self.n_experts_per_tok if active else self.n_experts
+      mlp = d * self.n_experts + 3 * d * self.expert_d_ff * experts
+      if self.shared_expert_d_ff:
+        mlp += 3 * d * self.shared_expert_d_ff + d
     return attn + mlp + 2 * d
 
-  def param_count(self, include_embeddings: bool = True) -> int:
+  def param_count(self, include_embeddings: bool = True, active: bool = False) -> int:
     """Total parameters; `include_embeddings=False` drops embedding and LM head.
 
     Args:
       include_embeddings: whether to count the embedding and LM head (one matrix
         when tied).
+      active: count only the experts one token runs through (see
+        `block_param_count`).
 
     Returns:
       The count.
     """
-    n = self.n_layers * self.block_param_count() + self.d_model  # + final norm
+    n = sum(self.block_param_count(i, active) for i in range(self.n_layers)) + self.d_model
     if include_embeddings:
       n += self.vocab_size * self.d_model
       if not self.tie_embeddings:
@@ -193,6 +271,20 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama-2-7B's shape (6.74B parameters).
     "7b": LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
                       n_kv_heads=32, d_ff=11008, max_seq_len=4096),
+    # `tiny` with mixture-of-experts layers: a dense first layer, then three layers of
+    # 8 experts (top 2) with a shared expert and the load-balancing loss.
+    "tiny_moe": LlamaConfig(vocab_size=260, d_model=128, n_layers=4, n_heads=4,
+                            n_kv_heads=2, d_ff=384, max_seq_len=512, n_experts=8,
+                            n_experts_per_tok=2, moe_d_ff=96, shared_expert_d_ff=192,
+                            moe_layers=(False, True, True, True),
+                            router_aux_loss_coef=0.01),
+    # Qwen3-30B-A3B's shape (30.5B parameters, 3.3B active per token): 48 layers of
+    # 128 experts, 8 routed per token.
+    "30b_a3b": LlamaConfig(vocab_size=151936, d_model=2048, n_layers=48, n_heads=32,
+                           n_kv_heads=4, d_ff=6144, max_seq_len=40960, rope_theta=1e6,
+                           norm_eps=1e-6, attn_head_dim=128, qk_norm=True, n_experts=128,
+                           n_experts_per_tok=8, moe_d_ff=768, norm_topk_prob=True,
+                           router_aux_loss_coef=0.001),
 }
 
 

@@ -5,7 +5,7 @@ function, which is what lets an engine run it one unit at a time:
 
   embed  {"embedding": V x D}                          ids -> x
   block  {"attn_norm", "attn": {q,k,v,o}, "mlp_norm",  x -> x   (n_layers of them)
-          "mlp": {gate, up, down}}
+          "mlp": {gate, up, down}}   (an MoE layer's "mlp": `models.moe`)
   head   {"final_norm": {"scale"}, ["lm_head": {"kernel": D x V}]}   x -> logits
 
 The whole model's tree is {"embed": ..., "blocks": [block, ...], "head": ...}. With
@@ -13,7 +13,8 @@ The whole model's tree is {"embed": ..., "blocks": [block, ...], "head": ...}. W
 Linear kernels are [in, out]. Parameters are fp32; `compute_dtype` casts them
 (and the activations) when a unit runs. Initialisation derives one PRNG key per
 unit from a base key, so the engine can build any unit alone, on the host, and
-get the same values the NNX model would.
+get the same values the NNX model would. The layers themselves (norm, rotary,
+attention, SwiGLU) are in `models.layers`.
 """
 
 from __future__ import annotations
@@ -25,9 +26,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megatrain_jax.models import rope
+from megatrain_jax.models import moe
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.models.rope import RopeScaling
+from megatrain_jax.models.layers import attention, mlp, rms_norm
 
 Params = dict[str, Any]
 INIT_STD = 0.02
@@ -69,12 +70,14 @@ def init_embed(cfg: LlamaConfig, key: jax.Array) -> Params:
   return {"embedding": _normal(key, (cfg.vocab_size, cfg.d_model))}
 
 
-def init_block(cfg: LlamaConfig, key: jax.Array) -> Params:
+def init_block(cfg: LlamaConfig, key: jax.Array, moe_layer: bool = False) -> Params:
   """A fresh decoder block: kernels normal (std `INIT_STD`), norm scales 1, biases 0.
 
   Args:
     cfg: the model.
     key: the unit's PRNG key (`unit_key`).
+    moe_layer: an MoE block (`cfg.layer_is_moe(i)`), whose "mlp" is `models.moe`'s
+      tree.
 
   Returns:
     The block's tree (see the module docstring), fp32.
@@ -98,15 +101,16 @@ def init_block(cfg: LlamaConfig, key: jax.Array) -> Params:
   if cfg.qk_norm:
     attn["q_norm"] = {"scale": jnp.ones((hd,), jnp.float32)}
     attn["k_norm"] = {"scale": jnp.ones((hd,), jnp.float32)}
+  if moe_layer:
+    mlp_p = moe.init_moe(cfg, kg, _normal)
+  else:
+    mlp_p = {"gate": dense(kg, d, cfg.d_ff), "up": dense(ku, d, cfg.d_ff),
+             "down": dense(kd, cfg.d_ff, d)}
   return {
       "attn_norm": {"scale": jnp.ones((d,), jnp.float32)},
       "attn": attn,
       "mlp_norm": {"scale": jnp.ones((d,), jnp.float32)},
-      "mlp": {
-          "gate": dense(kg, d, cfg.d_ff),
-          "up": dense(ku, d, cfg.d_ff),
-          "down": dense(kd, cfg.d_ff, d),
-      },
+      "mlp": mlp_p,
   }
 
 
@@ -129,8 +133,31 @@ def init_head(cfg: LlamaConfig, key: jax.Array) -> Params:
 
 # Jitted once per config: eager init would dispatch (and compile) op by op.
 _jit_init_embed = jax.jit(init_embed, static_argnums=0)
-_jit_init_block = jax.jit(init_block, static_argnums=0)
+_jit_init_block = jax.jit(init_block, static_argnums=(0, 2))
 _jit_init_head = jax.jit(init_head, static_argnums=0)
+
+
+@functools.lru_cache(maxsize=64)
+def abstract_units(cfg: LlamaConfig) -> tuple[Any, ...]:
+  """Every unit's abstract parameter tree, without allocating.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    ShapeDtypeStruct trees of the embedding, each block and the head; blocks of
+    one structure (dense or MoE) share one tree object.
+  """
+  key = jax.random.key(0)
+  kinds: dict[bool, Any] = {}
+  blocks = []
+  for i in range(cfg.n_layers):
+    kind = cfg.layer_is_moe(i)
+    if kind not in kinds:
+      kinds[kind] = jax.eval_shape(lambda kind=kind: init_block(cfg, key, kind))
+    blocks.append(kinds[kind])
+  return (jax.eval_shape(lambda: init_embed(cfg, key)), *blocks,
+          jax.eval_shape(lambda: init_head(cfg, key)))
 
 
 def assemble_units(units) -> Params:
@@ -166,104 +193,6 @@ def _cast(tree, dtype):
   return jax.tree.map(lambda a: a.astype(dtype), tree)
 
 
-def rms_norm(x_BxTxD, scale_D, eps):
-  """RMS normalisation over the last axis, computed in fp32.
-
-  Args:
-    x_BxTxD: the activations.
-    scale_D: the per-feature scale.
-    eps: added to the mean square.
-
-  Returns:
-    The normalised, scaled activations, in x's dtype.
-  """
-  x32 = x_BxTxD.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-  return (y * scale_D.astype(jnp.float32)).astype(x_BxTxD.dtype)
-
-
-@functools.lru_cache(maxsize=64)
-def _frequencies(head_dim: int, theta: float, scaling: RopeScaling | None):
-  return rope.frequencies(head_dim, theta, scaling)
-
-
-def rotary(x_BxTxHxK, positions_T, theta, scaling: RopeScaling | None = None):
-  """Rotary embedding, half-split layout (as in Hugging Face Llama).
-
-  Args:
-    x_BxTxHxK: queries or keys, per head.
-    positions_T: the position of each token.
-    theta: the rotary base (`rope_theta`).
-    scaling: the rotary scaling (`models.rope`), or None.
-
-  Returns:
-    `x` rotated, in its dtype (computed in fp32).
-  """
-  k = x_BxTxHxK.shape[-1]
-  inv_freq, attention_scale = _frequencies(k, float(theta), scaling)
-  angles_TxK2 = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-  cos = jnp.cos(angles_TxK2)[None, :, None, :]
-  sin = jnp.sin(angles_TxK2)[None, :, None, :]
-  if attention_scale != 1.0:  # yarn scales cos and sin
-    cos, sin = cos * attention_scale, sin * attention_scale
-  x32 = x_BxTxHxK.astype(jnp.float32)
-  x1, x2 = x32[..., : k // 2], x32[..., k // 2:]
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x_BxTxHxK.dtype)
-
-
-def _dense(p, x):
-  y = x @ p["kernel"]
-  if "bias" in p:
-    y = y + p["bias"]
-  return y
-
-
-def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | None = None):
-  """Causal grouped-query self-attention with rotary embeddings.
-
-  Args:
-    cfg: the model.
-    p: the block's "attn" tree, {q, k, v, o} (and q_norm, k_norm with `qk_norm`).
-    x_BxTxD: the normalised activations.
-    positions_T: the position of each token.
-    window: a sliding window's width (each token sees itself and the window - 1
-      tokens before it), or None for full causal attention.
-
-  Returns:
-    The attention output, [B, T, D].
-  """
-  b, t, _ = x_BxTxD.shape
-  hd = cfg.head_dim
-  q = _dense(p["q"], x_BxTxD).reshape(b, t, cfg.n_heads, hd)
-  k = _dense(p["k"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
-  v = _dense(p["v"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
-  if cfg.qk_norm:  # Qwen3: an RMS norm over each head, before the rotation
-    q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
-    k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
-  q = rotary(q, positions_T, cfg.rope_theta, cfg.rope_scaling)
-  k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
-  # Grouped-query attention: jax.nn.dot_product_attention takes K/V with fewer
-  # heads than Q when n_kv_heads divides n_heads.
-  o = jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0))
-  return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd))
-
-
-def mlp(p: Params, x_BxTxD):
-  """The SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
-
-  Args:
-    p: the block's "mlp" tree, {gate, up, down}.
-    x_BxTxD: the normalised activations.
-
-  Returns:
-    The output, [B, T, D].
-  """
-  return _dense(p["down"], jax.nn.silu(_dense(p["gate"], x_BxTxD))
-                * _dense(p["up"], x_BxTxD))
-
-
 def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):
   """The embedding unit: looks up each token's row.
 
@@ -276,6 +205,33 @@ def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):
     The embeddings, [B, T, D].
   """
   return jnp.take(p["embedding"], ids_BxT, axis=0).astype(compute_dtype)
+
+
+def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
+                      window: int | None = None) -> tuple[jax.Array, moe.RouterStats | None]:
+  """One decoder block and its router stats; computes in x's dtype.
+
+  Args:
+    cfg: the model.
+    p: the block's tree (an MoE block when its "mlp" has "experts").
+    x_BxTxD: the block's input.
+    positions_T: the position of each token; None means 0..T-1.
+    window: the layer's attention window (`cfg.layer_window(i)`; None: full).
+
+  Returns:
+    (the block's output [B, T, D], its `moe.RouterStats`, or None for a dense block).
+  """
+  p = _cast(p, x_BxTxD.dtype)
+  if positions_T is None:
+    positions_T = jnp.arange(x_BxTxD.shape[1])
+  h = x_BxTxD + attention(cfg, p["attn"],
+                          rms_norm(x_BxTxD, p["attn_norm"]["scale"], cfg.norm_eps),
+                          positions_T, window)
+  normed = rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
+  if "experts" in p["mlp"]:
+    y, stats = moe.moe_apply(cfg, p["mlp"], normed)
+    return h + y, stats
+  return h + mlp(p["mlp"], normed), None
 
 
 def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
@@ -292,13 +248,7 @@ def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
   Returns:
     The block's output, [B, T, D].
   """
-  p = _cast(p, x_BxTxD.dtype)
-  if positions_T is None:
-    positions_T = jnp.arange(x_BxTxD.shape[1])
-  h = x_BxTxD + attention(cfg, p["attn"],
-                          rms_norm(x_BxTxD, p["attn_norm"]["scale"], cfg.norm_eps),
-                          positions_T, window)
-  return h + mlp(p["mlp"], rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps))
+  return block_apply_stats(cfg, p, x_BxTxD, positions_T, window)[0]
 
 
 def head_norm(cfg: LlamaConfig, head_p: Params, x_BxTxD):
@@ -354,6 +304,30 @@ def logits_apply(cfg: LlamaConfig, head_p: Params, embed_p: Params | None, x_BxT
   return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
 
 
+def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32
+                    ) -> tuple[jax.Array, jax.Array]:
+  """Logits of the whole model, and its load-balancing loss.
+
+  Args:
+    cfg: the model.
+    params: the whole model's tree.
+    ids_BxT: the token ids.
+    compute_dtype: the dtype the embedding and blocks compute in.
+
+  Returns:
+    (the fp32 logits [B, T, V], `moe.aux_loss` over the MoE layers: 0 with none).
+  """
+  x = embed_apply(params["embed"], ids_BxT, compute_dtype)
+  stats = []
+  for i, p in enumerate(params["blocks"]):
+    x, st = block_apply_stats(cfg, p, x, window=cfg.layer_window(i))
+    if st is not None:
+      stats.append(st)
+  aux = (moe.aux_loss(cfg, moe.total_stats(stats), len(stats) * ids_BxT.size)
+         if stats else jnp.float32(0.0))
+  return logits_apply(cfg, params["head"], params["embed"], x), aux
+
+
 def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32):
   """Logits of the whole model from its parameter tree.
 
@@ -366,10 +340,7 @@ def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32
   Returns:
     The fp32 logits, [B, T, V].
   """
-  x = embed_apply(params["embed"], ids_BxT, compute_dtype)
-  for i, p in enumerate(params["blocks"]):
-    x = block_apply(cfg, p, x, window=cfg.layer_window(i))
-  return logits_apply(cfg, params["head"], params["embed"], x)
+  return forward_and_aux(cfg, params, ids_BxT, compute_dtype)[0]
 
 
 # ----------------------------------------------------------------------------
@@ -430,7 +401,7 @@ class Llama(nnx.Module):
     if params is None:
       base = rngs.params()
       params = {"embed": _jit_init_embed(cfg, unit_key(base, "embed")),
-                "blocks": [_jit_init_block(cfg, unit_key(base, "block", i))
+                "blocks": [_jit_init_block(cfg, unit_key(base, "block", i), cfg.layer_is_moe(i))
                            for i in range(cfg.n_layers)],
                 "head": _jit_init_head(cfg, unit_key(base, "head"))}
     elif len(params["blocks"]) != cfg.n_layers:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.models import llama
+from megatrain_jax.models import llama, moe
 from megatrain_jax.models.config import LlamaConfig
 
 # Budget for one chunk of fp32 logits.
@@ -110,14 +110,22 @@ def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
     remat: whether to recompute each block in the backward (`jax.checkpoint`).
 
   Returns:
-    sum(mask * ce) / max(sum(mask), 1).
+    sum(mask * ce) / max(sum(mask), 1), plus `router_aux_loss_coef` times the
+    load-balancing loss of the MoE layers (`models.moe.aux_loss`).
   """
-  block = lambda p, x, window: llama.block_apply(cfg, p, x, window=window)
+  block = lambda p, x, window: llama.block_apply_stats(cfg, p, x, window=window)
   if remat:
     block = jax.checkpoint(block, static_argnums=(2,))
   x = llama.embed_apply(params["embed"], batch["input_ids"], compute_dtype)
+  stats = []
   for i, p in enumerate(params["blocks"]):
-    x = block(p, x, cfg.layer_window(i))
+    x, st = block(p, x, cfg.layer_window(i))
+    if st is not None:
+      stats.append(st)
   total = head_loss_sum(cfg, params["head"], params["embed"], x, batch["labels"],
                         batch["loss_mask"], chunk_tokens)
-  return total / jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+  loss = total / jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
+  if stats and cfg.router_aux_loss_coef:
+    rows = len(stats) * batch["input_ids"].size
+    loss = loss + cfg.router_aux_loss_coef * moe.aux_loss(cfg, moe.total_stats(stats), rows)
+  return loss

@@ -54,7 +54,8 @@ def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
                     flash_attention: bool) -> int:
   """XLA's scratch inside one layer's backward template (estimated): the values the
   vjp keeps (norm outputs, q/k/v, attention output, the MLP's three d_ff-wide
-  intermediates) and their cotangents, plus the [T, T] attention probabilities
+  intermediates, or an MoE layer's k routed copies of each token with their expert
+  intermediates, router probabilities and shared expert) and their cotangents, plus the [T, T] attention probabilities
   and their gradient in fp32 unless attention is fused.
 
   Args:
@@ -70,7 +71,12 @@ def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
   cd = jnp.dtype(ec.compute_dtype).itemsize
   tokens = (batch_size // ec.grad_accum) * seq_len
   q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-  per_token = 2 * cfg.d_model + q + 2 * kv + q + 3 * cfg.d_ff
+  mlp = 3 * cfg.d_ff
+  if cfg.n_experts:  # k routed copies of each token: rows, 3 expert intermediates, out
+    moe = (cfg.n_experts_per_tok * (2 * cfg.d_model + 3 * cfg.expert_d_ff) + cfg.n_experts
+           + 3 * (cfg.shared_expert_d_ff or 0))
+    mlp = max(moe, mlp if not all(map(cfg.layer_is_moe, range(cfg.n_layers))) else 0)
+  per_token = 2 * cfg.d_model + q + 2 * kv + q + mlp
   out = 2 * tokens * per_token * cd
   if not flash_attention:
     out += 2 * (batch_size // ec.grad_accum) * cfg.n_heads * seq_len * seq_len * 4
