@@ -345,5 +345,6 @@ class StreamingTrainer:
     """
     return {"steps": self._steps, "skipped_steps": self._health.skipped,
             "compiles": self.templates.compiles,
-            "layer_bytes": memory.unit_param_bytes(self.cfg, self.config)[1],
+            "layer_bytes": max(memory.unit_param_bytes(self.cfg, self.config)[1:-1],
+                               default=0),
             **self._rt.stats()}
