@@ -105,38 +105,58 @@ def _rope_to_hf(cfg: LlamaConfig) -> dict[str, Any]:
   return out
 
 
+# How each architecture decides which layers slide (transformers 5.24):
+#   every      Mistral, Mixtral: every layer, when sliding_window is set;
+#   every_on   Qwen3-MoE: every layer, with use_sliding_window;
+#   per_layer  Qwen2, Qwen3, Qwen2-MoE: the layers layer_types names, with
+#              use_sliding_window; without layer_types, Qwen2 and Qwen3 slide the layers
+#              from max_window_layers on, Qwen2-MoE the even-numbered ones below it.
+_WINDOW_STYLE = {"llama": None, "mistral": "every", "mixtral": "every",
+                 "qwen3_moe": "every_on", "qwen2": "per_layer", "qwen3": "per_layer",
+                 "qwen2_moe": "per_layer"}
+
+
+def _default_layer_types(hf: dict[str, Any], arch: str, n: int) -> list[str]:
+  first = hf.get("max_window_layers", 28)
+  if arch == "qwen2_moe":
+    slides = [bool((i + 1) % 2) and i < first for i in range(n)]
+  else:
+    slides = [i >= first for i in range(n)]
+  return ["sliding_attention" if x else "full_attention" for x in slides]
+
+
 def _windows_from_hf(hf: dict[str, Any], arch: str | None
                      ) -> tuple[int | None, tuple[str, ...] | None, list[str]]:
-  """(sliding_window, layer_types, problems), as `transformers` reads them: Mistral
-  slides every layer when `sliding_window` is set; Qwen2 and Qwen3 slide the layers
-  `layer_types` names, or (without it) those from `max_window_layers` on, and only
-  with `use_sliding_window`; Llama has no window."""
+  """(sliding_window, layer_types, problems), as `transformers` reads them (see
+  `_WINDOW_STYLE`). A window at least max_position_embeddings long is no window: no
+  batch is longer (`check_batch`)."""
   window, types = hf.get("sliding_window"), hf.get("layer_types")
   n = hf.get("num_hidden_layers", 0)
   if types is not None and (not isinstance(types, list) or len(types) != n
                             or any(t not in LAYER_TYPES for t in types)):
     return None, None, [f"layer_types={types!r}: expected one of {LAYER_TYPES} for each "
                         f"of the {n} layers"]
-  arch = FAMILY.get(arch)
-  if arch in ("qwen2", "qwen3"):
-    if not hf.get("use_sliding_window", False) or window is None:
-      return None, None, []
-    if types is None:
-      first = hf.get("max_window_layers", 28)
-      types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-  elif arch == "mistral":
-    if window is None:
-      types = None
-    elif types is not None and "full_attention" in types:
-      return None, None, [f"layer_types={types!r}: MistralForCausalLM slides every layer "
-                          "(transformers ignores layer_types there); a mixed stack is a "
-                          "Qwen2/Qwen3 config"]
-    types = None
-  elif window is not None or hf.get("use_sliding_window"):
-    return None, None, [f"sliding_window={window!r}: {arch} has no sliding window"]
-  if window is not None and (isinstance(window, bool) or not isinstance(window, int)
-                             or window <= 0):
+  style = _WINDOW_STYLE.get(arch)
+  if style is None:
+    if window is not None or hf.get("use_sliding_window"):
+      return None, None, [f"sliding_window={window!r}: {arch} has no sliding window"]
+    return None, None, []
+  if style != "every" and not hf.get("use_sliding_window", False):
+    window = None  # transformers drops the window
+  if window is None:
+    return None, None, []
+  if isinstance(window, bool) or not isinstance(window, int) or window <= 0:
     return None, None, [f"sliding_window={window!r}: expected a positive integer"]
+  if style == "per_layer":
+    types = types if types is not None else _default_layer_types(hf, arch, n)
+  elif types is not None and "full_attention" in types:
+    return None, None, [f"layer_types={types!r}: {arch} slides every layer (transformers "
+                        "ignores layer_types there); a mixed stack is a Qwen2, Qwen3 or "
+                        "Qwen2-MoE config"]
+  else:
+    types = None
+  if window >= hf.get("max_position_embeddings", window + 1):
+    return None, None, []
   if types is not None:
     types = None if all(t == "sliding_attention" for t in types) else tuple(types)
     if types is not None and "sliding_attention" not in types:
@@ -146,24 +166,26 @@ def _windows_from_hf(hf: dict[str, Any], arch: str | None
 
 def _windows_to_hf(cfg: LlamaConfig, arch: str) -> dict[str, Any]:
   """config.json's window keys for `arch` (a mix it cannot hold refused)."""
-  windows = [cfg.layer_window(i) for i in range(cfg.n_layers)]
-  sliding = [w is not None for w in windows]
-  arch = FAMILY[arch]
-  if arch == "llama":
+  sliding = [cfg.layer_window(i) is not None for i in range(cfg.n_layers)]
+  style = _WINDOW_STYLE[arch]
+  if style is None:
     if any(sliding):
-      raise ValueError("sliding_window cannot be written as llama (LlamaForCausalLM has "
-                       "no sliding window): write it as mistral, qwen2 or qwen3.")
+      raise ValueError(f"sliding_window cannot be written as {arch} (it has no sliding "
+                       "window): write it as mistral, qwen2 or qwen3.")
     return {}
-  if arch == "mistral":
+  window = cfg.sliding_window if any(sliding) else None
+  if style in ("every", "every_on"):
     if any(sliding) and not all(sliding):
-      raise ValueError("A stack mixing sliding and full attention cannot be written as "
-                       "mistral (MistralForCausalLM slides every layer or none): write "
-                       "it as qwen2 or qwen3.")
-    return {"sliding_window": cfg.sliding_window if any(sliding) else None}
-  return {"use_sliding_window": any(sliding),
-          "sliding_window": cfg.sliding_window if any(sliding) else None,
+      raise ValueError(f"A stack mixing sliding and full attention cannot be written as "
+                       f"{arch} (it slides every layer or none): write it as qwen2, qwen3 "
+                       "or qwen2_moe.")
+    if style == "every":
+      return {"sliding_window": window}
+    return {"use_sliding_window": any(sliding), "sliding_window": window}
+  return {"use_sliding_window": any(sliding), "sliding_window": window,
           "max_window_layers": sliding.index(True) if any(sliding) else cfg.n_layers,
           "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding]}
+
 
 _MOE_KEYS = frozenset({
     "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",

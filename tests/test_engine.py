@@ -57,11 +57,12 @@ CASES = {
                 "full_attention", "sliding_attention", "sliding_attention",
                 "full_attention")), ADAMW, dict(checkpoint_every=2)),
     # Mixture-of-experts layers (Qwen2-MoE's shape: a shared expert, no renormalized
-    # top-k) mixed with a dense one, the load-balancing loss in the training loss.
-    "moe_mixed_shared_aux": (BASE.replace(
+    # top-k) mixed with a dense one, the load-balancing loss in the training loss;
+    # attention in blocks of 8 tokens (its custom VJP inside the templates).
+    "moe_mixed_shared_aux_blockwise": (BASE.replace(
         d_ff=48, n_experts=4, n_experts_per_tok=2, moe_d_ff=16, shared_expert_d_ff=24,
         norm_topk_prob=False, moe_layers=(True, False, True, True),
-        router_aux_loss_coef=0.1), ADAMW, dict(checkpoint_every=2)),
+        router_aux_loss_coef=0.1, attention_block=8), ADAMW, dict(checkpoint_every=2)),
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),
@@ -99,6 +100,13 @@ def test_matches_resident_fp32(name):
     assert eng.stats()["fused_optimizer"] == (opt in (FUSED, SPLIT_CLIP))
     if "host_threads" in kw:  # the fused update ran in that many parts
       assert eng.stats()["host_update_parts"] == kw["host_threads"]
+
+
+def test_load_balancing_loss_with_grad_accum_is_refused():
+  cfg = BASE.replace(n_experts=4, router_aux_loss_coef=0.01)
+  with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 with grad_accum=2"):
+    mt.StreamingTrainer.from_config(cfg, ADAMW(), mt.EngineConfig(grad_accum=2),
+                                    jax.random.key(0))
 
 
 def test_next_step_overlaps_the_last_updates():

@@ -252,6 +252,29 @@ def test_sliding_windows_are_read_per_layer():
     hf.hf_config(mixed.replace(qkv_bias=False), "llama")
 
 
+def test_moe_windows_are_read_as_transformers_builds_them():
+  base = json.loads(_hf_model("qwen3_moe", num_hidden_layers=4).config.to_json_string())
+  # Qwen3-MoE: every layer slides once the window is on; max_window_layers is unused.
+  q3 = hf.config_from_hf(base | {"use_sliding_window": True, "sliding_window": 5,
+                                 "max_window_layers": 2})[0]
+  assert [q3.layer_window(i) for i in range(4)] == [5] * 4
+  with pytest.raises(ValueError, match="cannot be written as qwen3_moe"):
+    hf.hf_config(q3.replace(layer_types=("full_attention",) + ("sliding_attention",) * 3),
+                 "qwen3_moe")
+  # Qwen2-MoE without layer_types: the even-numbered layers below max_window_layers.
+  q2 = json.loads(_hf_model("qwen2_moe", num_hidden_layers=4).config.to_json_string())
+  del q2["layer_types"]
+  q2.update(use_sliding_window=True, sliding_window=5, max_window_layers=3)
+  assert [hf.config_from_hf(q2)[0].layer_window(i) for i in range(4)] == [5, None, 5, None]
+  # A window as long as the context is no window (as Mistral 7B v0.1's configs had it).
+  long = hf.config_from_hf(q2 | {"sliding_window": q2["max_position_embeddings"]})[0]
+  assert long.sliding_window is None
+  with pytest.raises(ValueError, match="mixture-of-experts model cannot be written as llama"):
+    hf.hf_config(mt.preset("tiny_moe"), "llama")
+  with pytest.raises(ValueError, match="Mixtral's layers are all MoE"):
+    hf.hf_config(mt.preset("tiny_moe").replace(shared_expert_d_ff=None), "mixtral")
+
+
 def test_older_top_level_rope_theta_is_read():
   cfg, arch = hf.config_from_hf({
       "architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 32,
@@ -268,7 +291,7 @@ def test_older_top_level_rope_theta_is_read():
                           "frobnicate": 1}}, "with ['frobnicate']: not implemented"),
     ({"partial_rotary_factor": 0.5}, "partial rotary embeddings"),
     ({"sliding_window": 16, "layer_types": ["full_attention", "sliding_attention"]},
-     "MistralForCausalLM slides every layer"),
+     "mistral slides every layer"),
     ({"architectures": ["LlamaForCausalLM"], "model_type": "llama", "sliding_window": 16},
      "llama has no sliding window"),
     ({"sliding_window": 0}, "sliding_window=0: expected a positive integer"),

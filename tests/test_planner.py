@@ -40,6 +40,20 @@ def test_7b_memory_by_hand():
   assert b["d2h"] == 2 * (n - 32000 * 4096) + 4 * 32000 * 4096
 
 
+def test_step_bytes_follow_each_layers_size():
+  # tiny_moe: a dense layer 0 and three MoE layers twice its size. The planner's bytes
+  # per step are what the engine moves (the batch's own bytes aside).
+  cfg, ec = mt.preset("tiny_moe"), mt.EngineConfig()
+  sizes = memory.unit_param_bytes(cfg, ec)
+  assert sizes[2] > 1.5 * sizes[1]
+  batch = synthetic_batch(cfg, 2, 32)
+  with mt.StreamingTrainer.from_config(cfg, ADAMW, ec, jax.random.key(0)) as eng:
+    for _ in range(2):
+      eng.step(batch)
+    h2d = eng.stats()["last_step"]["h2d_bytes"]
+  assert h2d - sum(v.nbytes for v in batch.values()) == planner.step_bytes(cfg, ec)["h2d"]
+
+
 def test_step_time_is_the_slowest_resource_plus_what_cannot_overlap():
   cfg, ec = mt.preset("7b"), mt.EngineConfig(compute_dtype="bfloat16")
   # A host fast enough that the PCIe link, not the optimizer, limits small steps.

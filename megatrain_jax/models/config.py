@@ -11,7 +11,7 @@ from megatrain_jax.models.rope import RopeScaling
 # defaults, so that settings recorded before them still compare equal on resume.
 _LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm", "sliding_window", "layer_types",
                  "n_experts", "n_experts_per_tok", "moe_d_ff", "shared_expert_d_ff",
-                 "norm_topk_prob", "moe_layers", "router_aux_loss_coef")
+                 "norm_topk_prob", "moe_layers", "router_aux_loss_coef", "attention_block")
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -30,7 +30,9 @@ class LlamaConfig:
   of the queries and keys before the rotary embedding. `sliding_window` W lets each
   token attend to itself and the W - 1 tokens before it; `layer_types` names each
   layer's attention, "full_attention" or "sliding_attention" (None: every layer
-  slides when `sliding_window` is set). `layer_window(i)` is layer i's window.
+  slides when `sliding_window` is set). `layer_window(i)` is layer i's window. Each
+  setting has one spelling: a `layer_types` or `moe_layers` that names every layer
+  becomes None, and a `moe_d_ff` equal to d_ff becomes None.
 
   Mixture-of-experts layers (Mixtral, Qwen2-MoE, Qwen3-MoE) have `n_experts` SwiGLU
   experts of width `moe_d_ff` (None: d_ff); a softmax router picks
@@ -40,6 +42,11 @@ class LlamaConfig:
   the others are dense with width d_ff. `router_aux_loss_coef` weights the
   load-balancing loss added to the training loss (0: none), defined as in
   `transformers` (`models.moe.aux_loss`).
+
+  `attention_block` picks how attention is computed, not what: None runs
+  `jax.nn.dot_product_attention` (on the CPU backend it forms the T x T scores);
+  an int runs `models.blockwise` with blocks of that many tokens, whose memory grows
+  with T, not T^2.
   """
 
   vocab_size: int = 260
@@ -65,6 +72,7 @@ class LlamaConfig:
   norm_topk_prob: bool = True
   moe_layers: tuple[bool, ...] | None = None
   router_aux_loss_coef: float = 0.0
+  attention_block: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -107,7 +115,14 @@ class LlamaConfig:
       if "sliding_attention" in self.layer_types and self.sliding_window is None:
         raise ValueError("LlamaConfig.layer_types has sliding layers but sliding_window "
                          "is None: set the window's width.")
+      if all(t == "sliding_attention" for t in self.layer_types):  # one spelling each
+        object.__setattr__(self, "layer_types", None)
     self._check_moe()
+    if self.attention_block is not None and (
+        isinstance(self.attention_block, bool) or not isinstance(self.attention_block, int)
+        or self.attention_block <= 0):
+      raise ValueError(f"LlamaConfig.attention_block must be a positive integer or None, "
+                       f"got {self.attention_block!r}.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
@@ -149,6 +164,10 @@ class LlamaConfig:
                          f"n_layers={self.n_layers} layers, got {self.moe_layers!r}.")
       if any(self.moe_layers) and not self.n_experts:
         raise ValueError("LlamaConfig.moe_layers names MoE layers but n_experts is 0.")
+      if all(self.moe_layers):
+        object.__setattr__(self, "moe_layers", None)
+    if self.moe_d_ff == self.d_ff:
+      object.__setattr__(self, "moe_d_ff", None)
 
   def layer_is_moe(self, i: int) -> bool:
     """Whether layer i is a mixture-of-experts layer.

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.models import rope
+from megatrain_jax.models import blockwise, rope
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.rope import RopeScaling
 
@@ -96,8 +96,12 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
   k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
   # Grouped-query attention: jax.nn.dot_product_attention takes K/V with fewer
   # heads than Q when n_kv_heads divides n_heads.
-  o = jax.nn.dot_product_attention(
-      q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0))
+  if cfg.attention_block:
+    o = blockwise.blockwise_attention(q, k, v, window=window, block_q=cfg.attention_block,
+                                      block_k=cfg.attention_block)
+  else:
+    o = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0))
   return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd))
 
 

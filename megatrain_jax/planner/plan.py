@@ -162,9 +162,9 @@ def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
   """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   sizes = memory.unit_sizes(cfg)
-  L, n = cfg.n_layers, sum(sizes)
-  embed, head, block = sizes[0], sizes[-1], sizes[1] if L else 0
-  fetched = 2 * L * block + (embed + head if ec.stream_embed_head else 0)
+  n = sum(sizes)
+  embed, head, blocks = sizes[0], sizes[-1], sum(sizes[1:-1])
+  fetched = 2 * blocks + (embed + head if ec.stream_embed_head else 0)
   if cfg.tie_embeddings and ec.stream_embed_head:
     fetched += embed
   grads = cd * (n - embed) + 4 * embed
