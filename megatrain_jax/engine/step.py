@@ -55,6 +55,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   ids = tp.to_device(batch["input_ids"])
   labels = tp.to_device(batch["labels"])
   mask = tp.to_device(batch["loss_mask"])
+  extra = {k: tp.to_device(batch[k]) for k in ("positions", "segment_ids") if k in batch}
   if start_next:
     pf.start(schedule.fetch_order, guard.step + 1, schedule.limit)
 
@@ -81,7 +82,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
       ckpts[i] = x
       ledger.add(("ckpt", i), act_bytes)
     p, key = get(1 + i)
-    x, stats = tpl.block_fwd(p, x, i)
+    x, stats = tpl.block_fwd(p, x, i, **extra)
     if stats is not None:
       router.append(stats)
     ledger.add("x", act_bytes)
@@ -108,10 +109,10 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     params = [get(1 + i) for i in range(s, e)]
     xs = [ckpts.pop(s)]
     for j in range(e - s - 1):
-      xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j)[0])
+      xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j, **extra)[0])
       ledger.add(("recompute", j), act_bytes)
     for j in reversed(range(e - s)):
-      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j, g_probs)
+      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j, g_probs, **extra)
       release(params[j][1], g)
       params[j], xs[j] = None, None  # released: nothing keeps them alive
       ledger.add(("grad", 1 + s + j), g_p.nbytes)
@@ -132,7 +133,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   if layer0 is not None:
     send(1, *layer0)
   pf.job_done()  # no activation is left: the next job may use its start buffers
-  return loss_sum, sum(batch[k].nbytes for k in ("input_ids", "labels", "loss_mask"))
+  return loss_sum, sum(v.nbytes for v in batch.values())
 
 
 def _load_balancing(cfg, router: list, tokens: int, scale: jax.Array

@@ -76,12 +76,12 @@ class Templates:
     # Each layer's structure: (its flat layout, its window), static in the templates.
     self._kinds = tuple((blocks[i], cfg.layer_window(i)) for i in range(cfg.n_layers))
 
-    def block_fwd(flat, x, spec, window):
-      return llama.block_apply_stats(cfg, spec.unflatten(flat), x, window=window)
+    def block_fwd(flat, x, pos, seg, spec, window):
+      return llama.block_apply_stats(cfg, spec.unflatten(flat), x, pos, window, seg)
 
-    def block_bwd(flat, x, g, g_probs, spec, window):
+    def block_bwd(flat, x, g, g_probs, pos, seg, spec, window):
       def f(fl, x):
-        y, stats = llama.block_apply_stats(cfg, spec.unflatten(fl), x, window=window)
+        y, stats = llama.block_apply_stats(cfg, spec.unflatten(fl), x, pos, window, seg)
         return y, None if stats is None else stats.probs
       _, vjp = jax.vjp(f, flat, x)
       g_flat, g_x = vjp((g, g_probs))
@@ -105,26 +105,30 @@ class Templates:
       return g, all_finite(g)
 
     self.embed_fwd = jax.jit(self._counted("embed_fwd", embed_fwd))
-    self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(2, 3))
-    self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=(4, 5))
+    self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(4, 5))
+    self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=(6, 7))
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
 
-  def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int) -> tuple[jax.Array, Any]:
+  def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
+                segment_ids=None) -> tuple[jax.Array, Any]:
     """Layer `layer`'s forward.
 
     Args:
       flat: the layer's flat compute-dtype parameters.
       x: its input.
       layer: its index (0-based), which picks its structure's template.
+      positions: the batch's int [B, T] positions (None: 0..T-1).
+      segment_ids: the batch's int [B, T] segment ids (None: one per row).
 
     Returns:
       (its output, its `moe.RouterStats` or None for a dense layer).
     """
-    return self._block_fwd(flat, x, *self._kinds[layer])
+    return self._block_fwd(flat, x, positions, segment_ids, *self._kinds[layer])
 
   def block_bwd(self, flat: jax.Array, x: jax.Array, g: jax.Array, layer: int,
-                g_probs: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                g_probs: jax.Array | None = None, positions=None, segment_ids=None
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Layer `layer`'s backward (its forward recomputed inside).
 
     Args:
@@ -134,6 +138,8 @@ class Templates:
       layer: its index (0-based).
       g_probs: the router-probability gradient of the load-balancing loss (fp32 [E];
         None: zeros); ignored by a dense layer.
+      positions: as `block_fwd`.
+      segment_ids: as `block_fwd`.
 
     Returns:
       (the gradient of its input, of its flat parameters, whether the latter is
@@ -144,7 +150,7 @@ class Templates:
       g_probs = None
     elif g_probs is None:
       g_probs = jnp.zeros((self.cfg.n_experts,), jnp.float32)
-    return self._block_bwd(flat, x, g, g_probs, spec, window)
+    return self._block_bwd(flat, x, g, g_probs, positions, segment_ids, spec, window)
 
   def block_memory(self, flat: jax.Array, x: jax.Array, layer: int = 0) -> dict[str, Any]:
     """XLA's memory analysis of a layer's compiled forward and backward.
@@ -160,9 +166,10 @@ class Templates:
     kind = self._kinds[layer]
     g_probs = (jnp.zeros((self.cfg.n_experts,), jnp.float32)
                if self.cfg.layer_is_moe(layer) else None)
-    return {"block_fwd": self._block_fwd.lower(flat, x, *kind).compile().memory_analysis(),
-            "block_bwd": self._block_bwd.lower(flat, x, x, g_probs, *kind).compile()
-            .memory_analysis()}
+    return {"block_fwd": self._block_fwd.lower(flat, x, None, None, *kind).compile()
+            .memory_analysis(),
+            "block_bwd": self._block_bwd.lower(flat, x, x, g_probs, None, None, *kind)
+            .compile().memory_analysis()}
 
   def _counted(self, name: str, fn):
     def traced(*args):

@@ -9,6 +9,7 @@ import numpy as np
 from megatrain_jax.models.config import LlamaConfig
 
 BATCH_KEYS = ("input_ids", "labels", "loss_mask")
+OPTIONAL_KEYS = ("positions", "segment_ids")
 
 
 def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -16,7 +17,9 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
 
   A batch is {"input_ids": int32[B, T], "labels": int32[B, T],
   "loss_mask": float32[B, T]}; `labels[b, t]` is the token that follows
-  `input_ids[b, t]`.
+  `input_ids[b, t]`. Packed documents add "segment_ids": int32[B, T] (a token
+  attends only within its segment) and "positions": int32[B, T] (each document's
+  positions, from 0).
 
   Args:
     cfg: the model, which bounds the sequence length and token ids.
@@ -27,9 +30,9 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
 
   Raises:
     TypeError: the batch is not a mapping.
-    ValueError: a missing key, mismatched or empty shapes, a sequence longer than
-      `cfg.max_seq_len`, a non-finite mask, or token ids that are not integers or
-      lie outside the vocabulary.
+    ValueError: a missing or unknown key, mismatched or empty shapes, a sequence
+      longer than `cfg.max_seq_len`, a non-finite mask, token ids that are not
+      integers or lie outside the vocabulary, or positions outside [0, max_seq_len).
   """
   if not isinstance(batch, Mapping):
     raise TypeError(f"A batch is a dict with keys {BATCH_KEYS}, got "
@@ -37,10 +40,15 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
   missing = [k for k in BATCH_KEYS if k not in batch]
   if missing:
     raise ValueError(f"Batch is missing {missing}; a batch needs {BATCH_KEYS}.")
+  unknown = sorted(set(batch) - set(BATCH_KEYS) - set(OPTIONAL_KEYS))
+  if unknown:
+    raise ValueError(f"Batch has unknown keys {unknown}; a batch holds {BATCH_KEYS} and "
+                     f"optionally {OPTIONAL_KEYS}.")
   out = {
       "input_ids": np.asarray(batch["input_ids"]),
       "labels": np.asarray(batch["labels"]),
       "loss_mask": np.asarray(batch["loss_mask"], np.float32),
+      **{k: np.asarray(batch[k]) for k in OPTIONAL_KEYS if k in batch},
   }
   shape = out["input_ids"].shape
   for key, arr in out.items():
@@ -56,6 +64,14 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
   if not np.all(np.isfinite(out["loss_mask"])):
     raise ValueError("batch['loss_mask'] holds NaN or infinite values; it must be finite "
                      "weights (1 to train on a token, 0 to skip it).")
+  for key in [k for k in OPTIONAL_KEYS if k in out]:
+    arr = out[key]
+    if not np.issubdtype(arr.dtype, np.integer):
+      raise ValueError(f"batch[{key!r}] must hold integers, got {arr.dtype}.")
+    if key == "positions" and (arr.min() < 0 or arr.max() >= cfg.max_seq_len):
+      raise ValueError(f"batch['positions'] holds [{arr.min()}, {arr.max()}], outside "
+                       f"[0, max_seq_len={cfg.max_seq_len}).")
+    out[key] = arr.astype(np.int32)
   for key in ("input_ids", "labels"):
     arr = out[key]
     if not np.issubdtype(arr.dtype, np.integer):

@@ -43,7 +43,7 @@ def rotary(x_BxTxHxK, positions_T, theta, scaling: RopeScaling | None = None):
 
   Args:
     x_BxTxHxK: queries or keys, per head.
-    positions_T: the position of each token.
+    positions_T: the position of each token: [T], or [B, T] (packed documents).
     theta: the rotary base (`rope_theta`).
     scaling: the rotary scaling (`models.rope`), or None.
 
@@ -52,9 +52,10 @@ def rotary(x_BxTxHxK, positions_T, theta, scaling: RopeScaling | None = None):
   """
   k = x_BxTxHxK.shape[-1]
   inv_freq, attention_scale = _frequencies(k, float(theta), scaling)
-  angles_TxK2 = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]
-  cos = jnp.cos(angles_TxK2)[None, :, None, :]
-  sin = jnp.sin(angles_TxK2)[None, :, None, :]
+  angles = positions_T.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  if angles.ndim == 2:  # [T, K/2]: the same positions in every row
+    angles = angles[None]
+  cos, sin = jnp.cos(angles)[:, :, None, :], jnp.sin(angles)[:, :, None, :]
   if attention_scale != 1.0:  # yarn scales cos and sin
     cos, sin = cos * attention_scale, sin * attention_scale
   x32 = x_BxTxHxK.astype(jnp.float32)
@@ -70,16 +71,19 @@ def _dense(p, x):
   return y
 
 
-def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | None = None):
+def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | None = None,
+              segment_ids=None):
   """Causal grouped-query self-attention with rotary embeddings.
 
   Args:
     cfg: the model.
     p: the block's "attn" tree, {q, k, v, o} (and q_norm, k_norm with `qk_norm`).
     x_BxTxD: the normalised activations.
-    positions_T: the position of each token.
+    positions_T: the position of each token, [T] or [B, T].
     window: a sliding window's width (each token sees itself and the window - 1
       tokens before it), or None for full causal attention.
+    segment_ids: int [B, T]: a token attends only to its own segment (packed
+      documents); None: one segment.
 
   Returns:
     The attention output, [B, T, D].
@@ -97,11 +101,15 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
   # Grouped-query attention: jax.nn.dot_product_attention takes K/V with fewer
   # heads than Q when n_kv_heads divides n_heads.
   if cfg.attention_block:
-    o = blockwise.blockwise_attention(q, k, v, window=window, block_q=cfg.attention_block,
+    o = blockwise.blockwise_attention(q, k, v, segment_ids=segment_ids, window=window,
+                                      block_q=cfg.attention_block,
                                       block_k=cfg.attention_block)
   else:
+    mask = (None if segment_ids is None else
+            (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
     o = jax.nn.dot_product_attention(
-        q, k, v, is_causal=True, local_window_size=None if window is None else (window - 1, 0))
+        q, k, v, mask=mask, is_causal=True,
+        local_window_size=None if window is None else (window - 1, 0))
   return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd))
 
 

@@ -208,15 +208,17 @@ def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):
 
 
 def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
-                      window: int | None = None) -> tuple[jax.Array, moe.RouterStats | None]:
+                      window: int | None = None, segment_ids=None
+                      ) -> tuple[jax.Array, moe.RouterStats | None]:
   """One decoder block and its router stats; computes in x's dtype.
 
   Args:
     cfg: the model.
     p: the block's tree (an MoE block when its "mlp" has "experts").
     x_BxTxD: the block's input.
-    positions_T: the position of each token; None means 0..T-1.
+    positions_T: the position of each token, [T] or [B, T]; None means 0..T-1.
     window: the layer's attention window (`cfg.layer_window(i)`; None: full).
+    segment_ids: int [B, T] keeping packed documents apart (None: one per row).
 
   Returns:
     (the block's output [B, T, D], its `moe.RouterStats`, or None for a dense block).
@@ -226,7 +228,7 @@ def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
     positions_T = jnp.arange(x_BxTxD.shape[1])
   h = x_BxTxD + attention(cfg, p["attn"],
                           rms_norm(x_BxTxD, p["attn_norm"]["scale"], cfg.norm_eps),
-                          positions_T, window)
+                          positions_T, window, segment_ids)
   normed = rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
   if "experts" in p["mlp"]:
     y, stats = moe.moe_apply(cfg, p["mlp"], normed)
@@ -235,20 +237,21 @@ def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
 
 
 def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
-                window: int | None = None):
+                window: int | None = None, segment_ids=None):
   """One decoder block; computes in x's dtype (params are cast to it).
 
   Args:
     cfg: the model.
     p: the block's tree.
     x_BxTxD: the block's input.
-    positions_T: the position of each token; None means 0..T-1.
+    positions_T: the position of each token, [T] or [B, T]; None means 0..T-1.
     window: the layer's attention window (`cfg.layer_window(i)`; None: full).
+    segment_ids: int [B, T] keeping packed documents apart (None: one per row).
 
   Returns:
     The block's output, [B, T, D].
   """
-  return block_apply_stats(cfg, p, x_BxTxD, positions_T, window)[0]
+  return block_apply_stats(cfg, p, x_BxTxD, positions_T, window, segment_ids)[0]
 
 
 def head_norm(cfg: LlamaConfig, head_p: Params, x_BxTxD):
@@ -304,8 +307,8 @@ def logits_apply(cfg: LlamaConfig, head_p: Params, embed_p: Params | None, x_BxT
   return jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
 
 
-def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32
-                    ) -> tuple[jax.Array, jax.Array]:
+def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32,
+                    positions=None, segment_ids=None) -> tuple[jax.Array, jax.Array]:
   """Logits of the whole model, and its load-balancing loss.
 
   Args:
@@ -313,6 +316,8 @@ def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp
     params: the whole model's tree.
     ids_BxT: the token ids.
     compute_dtype: the dtype the embedding and blocks compute in.
+    positions: int [B, T] positions (packed documents restart at 0); None: 0..T-1.
+    segment_ids: int [B, T] keeping packed documents apart; None: one per row.
 
   Returns:
     (the fp32 logits [B, T, V], `moe.aux_loss` over the MoE layers: 0 with none).
@@ -320,7 +325,7 @@ def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp
   x = embed_apply(params["embed"], ids_BxT, compute_dtype)
   stats = []
   for i, p in enumerate(params["blocks"]):
-    x, st = block_apply_stats(cfg, p, x, window=cfg.layer_window(i))
+    x, st = block_apply_stats(cfg, p, x, positions, cfg.layer_window(i), segment_ids)
     if st is not None:
       stats.append(st)
   aux = (moe.aux_loss(cfg, moe.total_stats(stats), len(stats) * ids_BxT.size)
@@ -328,7 +333,8 @@ def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp
   return logits_apply(cfg, params["head"], params["embed"], x), aux
 
 
-def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32):
+def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32,
+            positions=None, segment_ids=None):
   """Logits of the whole model from its parameter tree.
 
   Args:
@@ -336,11 +342,13 @@ def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32
     params: the whole model's tree.
     ids_BxT: the token ids.
     compute_dtype: the dtype the embedding and blocks compute in.
+    positions: as `forward_and_aux`.
+    segment_ids: as `forward_and_aux`.
 
   Returns:
     The fp32 logits, [B, T, V].
   """
-  return forward_and_aux(cfg, params, ids_BxT, compute_dtype)[0]
+  return forward_and_aux(cfg, params, ids_BxT, compute_dtype, positions, segment_ids)[0]
 
 
 # ----------------------------------------------------------------------------

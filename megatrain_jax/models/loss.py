@@ -104,7 +104,8 @@ def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
   Args:
     cfg: the model.
     params: the whole model's tree.
-    batch: {"input_ids", "labels", "loss_mask"}.
+    batch: {"input_ids", "labels", "loss_mask"}, and optionally "positions" and
+      "segment_ids" (packed documents).
     compute_dtype: the dtype the embedding and blocks compute in.
     chunk_tokens: tokens per loss chunk; None uses `default_chunk_tokens`.
     remat: whether to recompute each block in the backward (`jax.checkpoint`).
@@ -113,7 +114,8 @@ def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
     sum(mask * ce) / max(sum(mask), 1), plus `router_aux_loss_coef` times the
     load-balancing loss of the MoE layers (`models.moe.aux_loss`).
   """
-  block = lambda p, x, window: llama.block_apply_stats(cfg, p, x, window=window)
+  pos, seg = batch.get("positions"), batch.get("segment_ids")
+  block = lambda p, x, window: llama.block_apply_stats(cfg, p, x, pos, window, seg)
   if remat:
     block = jax.checkpoint(block, static_argnums=(2,))
   x = llama.embed_apply(params["embed"], batch["input_ids"], compute_dtype)

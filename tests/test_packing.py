@@ -1,0 +1,77 @@
+"""Packed documents: segment ids keep them apart and positions restart in each."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import megatrain_jax as mt
+from megatrain_jax.models import llama
+
+from conftest import TINY
+
+LENGTHS = (5, 9, 3, 7)  # four documents packed into one row of 24 tokens
+
+
+def _packed(cfg, seed=0):
+  rng = np.random.default_rng(seed)
+  docs = [rng.integers(0, cfg.vocab_size, n).astype(np.int32) for n in LENGTHS]
+  ids = np.concatenate(docs)[None]
+  seg = np.concatenate([np.full(n, i + 1, np.int32) for i, n in enumerate(LENGTHS)])[None]
+  pos = np.concatenate([np.arange(n, dtype=np.int32) for n in LENGTHS])[None]
+  return docs, ids, seg, pos
+
+
+@pytest.mark.parametrize("attention_block", [None, 4])
+def test_each_packed_document_has_its_own_logits(attention_block):
+  cfg = TINY.replace(attention_block=attention_block, sliding_window=4,
+                     layer_types=("sliding_attention", "full_attention"))
+  model = mt.Llama(cfg, rngs=nnx.Rngs(0))
+  docs, ids, seg, pos = _packed(cfg)
+  packed = llama.forward(cfg, model.param_tree(), jnp.asarray(ids),
+                         positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg))[0]
+  start = 0
+  for doc in docs:
+    alone = model(jnp.asarray(doc[None]))[0]
+    got = packed[start:start + len(doc)]
+    assert np.abs(got - alone).max() <= 1e-5 * np.abs(alone).max()
+    start += len(doc)
+  # Without the segment ids the documents would see each other.
+  mixed = llama.forward(cfg, model.param_tree(), jnp.asarray(ids),
+                        positions=jnp.asarray(pos))[0]
+  assert np.abs(mixed[5:] - packed[5:]).max() > 1e-3
+
+
+def test_streamed_equals_resident_on_packed_batches():
+  cfg = TINY.replace(n_layers=3, attention_block=8)
+  ref = mt.ResidentTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3))
+  eng = mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3),
+                            mt.EngineConfig(checkpoint_every=2))
+  with eng:
+    for s in range(3):
+      _, ids, seg, pos = _packed(cfg, seed=s)
+      ids = np.concatenate([ids, ids[:, ::-1]])
+      batch = {"input_ids": ids, "labels": np.roll(ids, -1, axis=1),
+               "loss_mask": np.ones(ids.shape, np.float32),
+               "segment_ids": np.concatenate([seg, seg[:, ::-1]]),
+               "positions": np.concatenate([pos, pos])}
+      np.testing.assert_allclose(eng.step(batch)["loss"], ref.step(batch)["loss"], rtol=1e-5)
+    err = jax.tree.map(lambda a, b: float(np.abs(a - b).max() / np.abs(a).max()),
+                       ref.params(), eng.params())
+    assert max(jax.tree.leaves(err)) < 1e-4
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"segment_ids": np.zeros((1, 4), np.float32)}, "must hold integers"),
+    ({"positions": np.full((1, 4), 10_000, np.int32)}, "outside [0, max_seq_len"),
+    ({"position_ids": np.zeros((1, 4), np.int32)}, "unknown keys ['position_ids']"),
+    ({"segment_ids": np.zeros((1, 3), np.int32)}, "every batch entry"),
+])
+def test_bad_packing_keys_are_named(change, message):
+  batch = {"input_ids": np.zeros((1, 4), np.int32), "labels": np.zeros((1, 4), np.int32),
+           "loss_mask": np.ones((1, 4), np.float32), **change}
+  with pytest.raises(ValueError) as e:
+    mt.check_batch(TINY, batch)
+  assert message in str(e.value)
