@@ -185,3 +185,27 @@ def test_a_failed_trainer_frees_its_device_buffers_and_can_be_dropped():
   del eng
   gc.collect()
   assert ref() is None  # the stored error keeps no frame of it alive
+
+
+def test_cancel_ends_a_fetch_waiting_for_an_update_taken_back():
+  # The prefetch thread found a unit ready, then a refused step took its update back:
+  # its fetch now waits for an update that never lands. A cancel (the next step's)
+  # must end that wait at once, and give the slot back, not wait out timeout_s.
+  import threading
+  import time
+  from megatrain_jax.engine.prefetch import Ledger, Prefetcher
+  waiting = threading.Event()
+
+  def fetch(u, tag, deadline, stop):
+    waiting.set()
+    while True:
+      stop()
+      time.sleep(0.01)
+
+  pf = Prefetcher(fetch, depth=2, hold=1, ledger=Ledger(), timeout_s=60.0)
+  pf.start([0, 1, 2], tag=1)
+  assert waiting.wait(10)
+  t0 = time.monotonic()
+  pf.cancel()
+  assert time.monotonic() - t0 < 5
+  pf.close()

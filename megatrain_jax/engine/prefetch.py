@@ -97,7 +97,7 @@ class Prefetcher:
   the link keeps working while the last updates of the step before finish.
   """
 
-  def __init__(self, fetch: Callable[[int, int, float | None], jax.Array], depth: int,
+  def __init__(self, fetch: Callable[..., jax.Array], depth: int,
                hold: int,
                ledger: Ledger, timeout_s: float,
                ready: Callable[[int, int], bool] | None = None):
@@ -191,13 +191,33 @@ class Prefetcher:
         return True
       return False
 
+  def _stop_waiting(self) -> None:
+    """Raised into a fetch waiting for an update: a cancel or an abort ends the wait
+    (the update it waits for may never come, e.g. after a refused step)."""
+    with self._cond:
+      if self._abort:
+        raise WorkerError("prefetch aborted")
+      if self._cancel:
+        raise _Cancelled()
+
   def _fetch_into_slot(self, u: int, key, tag: int, deadline: float | None = None):
     t0 = time.perf_counter()
-    arr = self._fetch(u, tag, deadline)
+    arr = self._fetch(u, tag, deadline, self._stop_waiting if deadline is None else None)
     self.busy_s += time.perf_counter() - t0
     self.bytes_for[tag] += arr.nbytes
     self._ledger.add(key, arr.nbytes)
     return arr
+
+  def _fetch_held(self, u: int, key, tag: int):
+    """The thread's fetch into a slot it holds; the slot is given back if the fetch
+    ends without a buffer (cancelled, aborted or failed)."""
+    try:
+      return self._fetch_into_slot(u, key, tag)
+    except BaseException:
+      with self._cond:
+        self._in_use -= 1
+        self._cond.notify_all()
+      raise
 
   # -- background thread -----------------------------------------------------
 
@@ -232,7 +252,7 @@ class Prefetcher:
       n = pending[0]
       if ready(n):
         self._acquire_slot(job, n, deadline=None)
-        arr = self._fetch_into_slot(job.order[n], ("param", job.id, n), job.tag)
+        arr = self._fetch_held(job.order[n], ("param", job.id, n), job.tag)
         self._deliver(job.id, n, arr)
         pending.pop(0)
         continue
@@ -242,7 +262,7 @@ class Prefetcher:
       ahead = next((p for p in pending[1:] if p < reach and ready(p)), None)
       if ahead is not None and self._try_spare_slot(self._limit(job, ahead)):
         self.out_of_order += 1
-        arr = self._fetch_into_slot(job.order[ahead], ("param", job.id, ahead), job.tag)
+        arr = self._fetch_held(job.order[ahead], ("param", job.id, ahead), job.tag)
         with self._cond:
           self._ahead.add((job.id, ahead))
         self._deliver(job.id, ahead, arr)

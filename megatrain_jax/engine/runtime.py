@@ -99,18 +99,26 @@ class Runtime:
     self._check_alive()
     return False
 
-  def fetch(self, u: int, step: int, deadline: float | None = None) -> jax.Array:
+  def fetch(self, u: int, step: int, deadline: float | None = None,
+            stop: Callable[[], None] | None = None) -> jax.Array:
     """A unit's copy on the device, once its update of the step before is done.
 
     Args:
       u: the unit.
       step: the step the fetch is for.
       deadline: a caller's `time.monotonic()` limit (None on the prefetch thread).
+      stop: called while waiting; raises to end the wait (the prefetch thread's
+        cancel, which must not wait for an update that a refused step took back).
 
     Returns:
       The device array.
     """
-    self.clock.wait(u, step, self._check_alive, deadline, self.schedule.unit_name(u))
+    def check():
+      self._check_alive()
+      if stop is not None:
+        stop()
+
+    self.clock.wait(u, step, check, deadline, self.schedule.unit_name(u))
     return self.store.to_device(u)
 
   # -- called by the trainer ----------------------------------------------------
