@@ -68,6 +68,8 @@ class Templates:
     """
     self._counts: dict[str, int] = {}
     self.cfg = cfg
+    # An MoE layer's router gradient when no load-balancing loss is trained.
+    self._no_g_probs = jnp.zeros((cfg.n_experts,), jnp.float32) if cfg.n_experts else None
     cd, tied, chunk = jnp.dtype(compute_dtype), cfg.tie_embeddings, loss_chunk_tokens
 
     def embed_fwd(flat, ids):
@@ -149,7 +151,7 @@ class Templates:
     if not self.cfg.layer_is_moe(layer):
       g_probs = None
     elif g_probs is None:
-      g_probs = jnp.zeros((self.cfg.n_experts,), jnp.float32)
+      g_probs = self._no_g_probs
     return self._block_bwd(flat, x, g, g_probs, positions, segment_ids, spec, window)
 
   def block_memory(self, flat: jax.Array, x: jax.Array, layer: int = 0) -> dict[str, Any]:
@@ -164,8 +166,7 @@ class Templates:
       {"block_fwd": analysis, "block_bwd": analysis} (`temp_size_in_bytes` etc.).
     """
     kind = self._kinds[layer]
-    g_probs = (jnp.zeros((self.cfg.n_experts,), jnp.float32)
-               if self.cfg.layer_is_moe(layer) else None)
+    g_probs = self._no_g_probs if self.cfg.layer_is_moe(layer) else None
     return {"block_fwd": self._block_fwd.lower(flat, x, None, None, *kind).compile()
             .memory_analysis(),
             "block_bwd": self._block_bwd.lower(flat, x, x, g_probs, None, None, *kind)

@@ -50,6 +50,16 @@ def _mask(q_pos, k_pos, t, window, q_seg, k_seg):
   return (m[None] & same)[:, None, None]
 
 
+def _scores(qi, q_pos, q_seg, kp, vp, seg, j, bk, t, window, scale):
+  """Key/value block j against a query block: (scaled scores, which count, k_j, v_j),
+  the blocks in fp32."""
+  kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1).astype(jnp.float32)
+  vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1).astype(jnp.float32)
+  k_seg = None if seg is None else jax.lax.dynamic_slice_in_dim(seg, j * bk, bk, axis=1)
+  s = jnp.einsum("bqgrd,bkgd->bgrqk", qi, kj) * scale
+  return s, _mask(q_pos, j * bk + jnp.arange(bk), t, window, q_seg, k_seg), kj, vj
+
+
 def _pad(x, n, axis=1):
   extra = n - x.shape[axis]
   if not extra:
@@ -82,11 +92,8 @@ def _forward(q, k, v, segment_ids, window, block_q, block_k):
 
     def k_block(j, carry):
       m, l, acc = carry
-      kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1).astype(jnp.float32)
-      vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1).astype(jnp.float32)
-      k_seg = None if seg is None else jax.lax.dynamic_slice_in_dim(seg, j * bk, bk, axis=1)
-      s = jnp.einsum("bqgrd,bkgd->bgrqk", qi, kj) * scale
-      s = jnp.where(_mask(q_pos, j * bk + jnp.arange(bk), t, window, q_seg, k_seg), s, _NEG)
+      s, mask, _, vj = _scores(qi, q_pos, q_seg, kp, vp, seg, j, bk, t, window, scale)
+      s = jnp.where(mask, s, _NEG)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       p = jnp.where(s <= _NEG, 0.0, p)
@@ -139,11 +146,7 @@ def _attention_bwd(window, block_q, block_k, res, do):
 
     def k_block(j, inner):
       dqi, dk, dv = inner
-      kj = jax.lax.dynamic_slice_in_dim(kp, j * bk, bk, axis=1).astype(jnp.float32)
-      vj = jax.lax.dynamic_slice_in_dim(vp, j * bk, bk, axis=1).astype(jnp.float32)
-      k_seg = None if seg is None else jax.lax.dynamic_slice_in_dim(seg, j * bk, bk, axis=1)
-      s = jnp.einsum("bqgrd,bkgd->bgrqk", qi, kj) * scale
-      mask = _mask(q_pos, j * bk + jnp.arange(bk), t, window, q_seg, k_seg)
+      s, mask, kj, vj = _scores(qi, q_pos, q_seg, kp, vp, seg, j, bk, t, window, scale)
       p = jnp.where(mask, jnp.exp(s - lse_i[..., None]), 0.0)
       dp = jnp.einsum("bqgrd,bkgd->bgrqk", doi, vj)
       ds = p * (dp - delta_i[..., None])

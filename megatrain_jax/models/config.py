@@ -86,11 +86,13 @@ class LlamaConfig:
       if not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(
             f"LlamaConfig.{name} must be a positive number, got {value!r}.")
-    if self.attn_head_dim is not None and (
-        isinstance(self.attn_head_dim, bool) or not isinstance(self.attn_head_dim, int)
-        or self.attn_head_dim <= 0):
-      raise ValueError(f"LlamaConfig.attn_head_dim must be a positive integer or None, "
-                       f"got {self.attn_head_dim!r}.")
+    for name in ("attn_head_dim", "sliding_window", "moe_d_ff", "shared_expert_d_ff",
+                 "attention_block"):
+      value = getattr(self, name)
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                or value <= 0):
+        raise ValueError(f"LlamaConfig.{name} must be a positive integer or None, got "
+                         f"{value!r}.")
     if self.attn_head_dim is None and self.d_model % self.n_heads:
       raise ValueError(
           f"LlamaConfig.d_model={self.d_model} is not divisible by "
@@ -99,11 +101,6 @@ class LlamaConfig:
     if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
       raise ValueError(f"LlamaConfig.rope_scaling must be a RopeScaling or None, got "
                        f"{type(self.rope_scaling).__name__}.")
-    if self.sliding_window is not None and (
-        isinstance(self.sliding_window, bool) or not isinstance(self.sliding_window, int)
-        or self.sliding_window <= 0):
-      raise ValueError(f"LlamaConfig.sliding_window must be a positive integer or None, "
-                       f"got {self.sliding_window!r}.")
     if self.layer_types is not None:
       if isinstance(self.layer_types, list):  # as read back from JSON
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -118,11 +115,6 @@ class LlamaConfig:
       if all(t == "sliding_attention" for t in self.layer_types):  # one spelling each
         object.__setattr__(self, "layer_types", None)
     self._check_moe()
-    if self.attention_block is not None and (
-        isinstance(self.attention_block, bool) or not isinstance(self.attention_block, int)
-        or self.attention_block <= 0):
-      raise ValueError(f"LlamaConfig.attention_block must be a positive integer or None, "
-                       f"got {self.attention_block!r}.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
@@ -143,12 +135,6 @@ class LlamaConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise ValueError(f"LlamaConfig.{name} must be a non-negative integer, got {value!r}.")
-    for name in ("moe_d_ff", "shared_expert_d_ff"):
-      value = getattr(self, name)
-      if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                or value <= 0):
-        raise ValueError(f"LlamaConfig.{name} must be a positive integer or None, got "
-                         f"{value!r}.")
     if self.n_experts and not 1 <= self.n_experts_per_tok <= self.n_experts:
       raise ValueError(f"LlamaConfig.n_experts_per_tok={self.n_experts_per_tok} must be "
                        f"between 1 and n_experts={self.n_experts}.")
