@@ -59,7 +59,7 @@ def _kind(f: dataclasses.Field) -> str:
     return "string"
   if "choices" in meta:
     return "enum"
-  if isinstance(default, bool):
+  if isinstance(default, bool) or str(f.type).startswith("bool"):
     return "bool"
   text = str(f.type)
   if isinstance(default, int) or text.startswith("int"):

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,7 +27,7 @@ from absl import logging
 
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.models import llama
-from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig
 from megatrain_jax.models.llama import Llama, Params
 from megatrain_jax.hf_config import (ARCHITECTURES, NO_MATH_KEYS, config_from_hf,
                                      hf_config, read_config)
@@ -243,8 +243,19 @@ def load_units(local_dir: str, cfg: LlamaConfig | None = None,
   return units()
 
 
+def _config(local_dir: str, compute: Mapping[str, Any] | None):
+  """read_config, with the fields that change how the model computes (not what)."""
+  cfg, arch, _ = read_config(local_dir)
+  unknown = sorted(set(compute or {}) - set(COMPUTE_FIELDS))
+  if unknown:
+    raise ValueError(f"compute={unknown} are not settings of how a checkpoint's model "
+                     f"computes; those are {COMPUTE_FIELDS}.")
+  return (cfg.replace(**compute) if compute else cfg), arch
+
+
 def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
-                      config: EngineConfig | None = None, **kw) -> StreamingTrainer:
+                      config: EngineConfig | None = None,
+                      compute: Mapping[str, Any] | None = None, **kw) -> StreamingTrainer:
   """A `StreamingTrainer` over a checkpoint of any architecture in `ARCHITECTURES`, loaded unit by unit
   into the host store (the model is never whole on the device).
 
@@ -252,6 +263,8 @@ def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
     local_dir: the checkpoint directory.
     optimizer: any Optax transform.
     config: the engine config.
+    compute: config fields that change how the model computes, not what
+      (`models.config.COMPUTE_FIELDS`, e.g. {"attention_block": 512}).
     **kw: passed to `StreamingTrainer.from_units` (e.g. grad_hook).
 
   Returns:
@@ -261,12 +274,13 @@ def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
     ValueError, FileNotFoundError: a config or checkpoint that cannot be read (see
       `read_config`, `check_checkpoint`).
   """
-  cfg, arch, _ = read_config(local_dir)
+  cfg, arch = _config(local_dir, compute)
   return StreamingTrainer.from_units(cfg, optimizer, config, load_units(local_dir, cfg, arch),
                                      **kw)
 
 
-def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Llama]:
+def from_pretrained(local_dir: str, dtype=jnp.float32,
+                    compute: Mapping[str, Any] | None = None) -> tuple[LlamaConfig, Llama]:
   """An NNX model from a local checkpoint directory (any architecture in `ARCHITECTURES`).
 
   To train a model bigger than the device, use `streaming_trainer` instead, which
@@ -275,11 +289,13 @@ def from_pretrained(local_dir: str, dtype=jnp.float32) -> tuple[LlamaConfig, Lla
   Args:
     local_dir: the checkpoint directory.
     dtype: the model's compute dtype (parameters are fp32).
+    compute: config fields that change how the model computes, not what
+      (`models.config.COMPUTE_FIELDS`).
 
   Returns:
     (cfg, the model).
   """
-  cfg, arch, _ = read_config(local_dir)
+  cfg, arch = _config(local_dir, compute)
   units = list(load_units(local_dir, cfg, arch))
   logging.info("Loaded %s checkpoint %s: %.1fM parameters.", arch, local_dir,
                cfg.param_count() / 1e6)

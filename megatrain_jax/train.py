@@ -25,7 +25,7 @@ from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import optim
 from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer, memory
 from megatrain_jax.engine import preflight as preflight_lib
-from megatrain_jax.models.config import LlamaConfig, preset
+from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.resident import ResidentTrainer
 
@@ -64,6 +64,16 @@ class TrainConfig:
                             "{\"text\"} per line; alpaca; sharegpt.", choices=DATA_FORMATS)
   overlong: str = _field("truncate", "Instruction records longer than seq_len + 1.",
                          choices=data_lib.instruct.OVERLONG)
+  pack: bool | None = _field(None, "Pack several documents into each sequence, kept apart "
+                             "by segment ids (attention stays within a document, positions "
+                             "restart). Default: on for alpaca/sharegpt, off for text.")
+  attention_block: int | None = _field(
+      None, "Attention in blocks of this many tokens (blockwise, or cuDNN's fused kernel "
+      "on a GPU in bf16): memory grows with seq_len, not its square. Default: the "
+      "model's.", low=1)
+  mlp_chunk: int | None = _field(
+      None, "Run each dense layer's feed-forward this many tokens at a time, bounding "
+      "its workspace at long seq_len. Default: the model's.", low=1)
   max_data_bytes: int | None = _field(4_000_000, "Stop reading data after this many "
                                       "bytes.", low=1)
   hf_model_dir: str | None = _field(None, "Hugging Face Llama/Qwen2/Mistral checkpoint "
@@ -94,11 +104,22 @@ class TrainConfig:
     """The model.
 
     Returns:
-      The checkpoint's config with --hf_model_dir, else the preset (or the config).
+      The checkpoint's config with --hf_model_dir, else the preset (or the config),
+      with --attention_block and --mlp_chunk when given.
     """
     if self.hf_model_dir:
-      return hf.read_config(self.hf_model_dir)[0]
-    return preset(self.model) if isinstance(self.model, str) else self.model
+      cfg = hf.read_config(self.hf_model_dir)[0]
+    else:
+      cfg = preset(self.model) if isinstance(self.model, str) else self.model
+    return cfg.replace(**self.compute()) if self.compute() else cfg
+
+  def compute(self) -> dict[str, int]:
+    """The model settings given by flags that change how it computes, not what."""
+    return {k: getattr(self, k) for k in COMPUTE_FIELDS if getattr(self, k) is not None}
+
+  def packs(self) -> bool:
+    """Whether the data is packed (--pack, by default for instruction data)."""
+    return self.data_format in data_lib.INSTRUCT_FORMATS if self.pack is None else self.pack
 
   def streaming_config(self) -> EngineConfig:
     """The streaming engine's config for this run.
@@ -188,11 +209,12 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
   """
   key = jax.random.key(tc.seed)
   if tc.hf_model_dir and tc.engine == "streaming":
-    return hf.streaming_trainer(tc.hf_model_dir, make_optimizer(tc), tc.streaming_config())
+    return hf.streaming_trainer(tc.hf_model_dir, make_optimizer(tc), tc.streaming_config(),
+                                compute=tc.compute())
   if tc.engine == "streaming":
     return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.streaming_config(), key)
   if tc.hf_model_dir:
-    model = hf.from_pretrained(tc.hf_model_dir)[1]
+    model = hf.from_pretrained(tc.hf_model_dir, compute=tc.compute())[1]
   else:
     model = Llama(cfg, rngs=nnx.Rngs(params=key))
   return ResidentTrainer(model, make_optimizer(tc), compute_dtype=tc.engine_config.compute_dtype)
@@ -246,10 +268,13 @@ def make_dataset(tc: TrainConfig, cfg: LlamaConfig) -> data_lib.PackedDataset:
                      f"is {cfg.vocab_size}; use a larger model or the model's own tokenizer.")
   if tc.data_format in data_lib.INSTRUCT_FORMATS:
     convs = data_lib.read_conversations(tc.data, tc.data_format)
-    windows, mask = data_lib.build_sequences(convs, tok, tc.seq_len, tc.overlong)
-    return data_lib.PackedDataset(windows, tc.batch_size, tc.seed, mask)
+    rows = data_lib.build_sequences(convs, tok, tc.seq_len, tc.overlong, pack=tc.packs())
+    return data_lib.PackedDataset(rows[0], tc.batch_size, tc.seed, *rows[1:])
   docs = data_lib.read_documents(tc.data, max_bytes=tc.max_data_bytes,
                                  jsonl=True if tc.data_format == "jsonl" else None)
+  if tc.packs():
+    windows, segments = data_lib.pack(docs, tc.seq_len, tok, segments=True)
+    return data_lib.PackedDataset(windows, tc.batch_size, tc.seed, segments_NxT1=segments)
   return data_lib.PackedDataset(data_lib.pack(docs, tc.seq_len, tok), tc.batch_size, tc.seed)
 
 
@@ -306,11 +331,15 @@ def checkpoint_settings(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str
     cfg: its model.
 
   Returns:
-    {"model": the config, "run": the settings a resume must share}.
+    {"model": the config, "run": the settings a resume must share}. How the model
+    computes (`COMPUTE_FIELDS`) may change on resume; packing is recorded when on.
   """
   run = {k: getattr(tc, k) for k in tc.RESUME_FIELDS}
   run["compute_dtype"] = tc.engine_config.dtype_name
-  return {"model": cfg.to_dict(), "run": run}
+  if tc.packs():
+    run["pack"] = True
+  model = {k: v for k, v in cfg.to_dict().items() if k not in COMPUTE_FIELDS}
+  return {"model": model, "run": run}
 
 
 def run(tc: TrainConfig) -> list[dict[str, Any]]:

@@ -77,3 +77,19 @@ def test_bad_shapes_are_named():
   q, k, v, _ = _inputs(1, 8, 4, 3, 8)
   with pytest.raises(ValueError, match="G dividing"):
     blockwise_attention(q, k, v)
+
+
+@pytest.mark.parametrize("block, dtype, segments, platform, kernel", [
+    (None, jnp.bfloat16, False, "gpu", "xla"),
+    (512, jnp.bfloat16, False, "gpu", "cudnn"),
+    (512, jnp.float32, False, "gpu", "blockwise"),   # cuDNN attention is bf16/fp16 only
+    (512, jnp.bfloat16, True, "gpu", "blockwise"),   # no segment ids in its API
+    (512, jnp.bfloat16, False, "cpu", "blockwise"),
+])
+def test_the_kernel_follows_its_limits(block, dtype, segments, platform, kernel):
+  from megatrain_jax.models import layers
+  from conftest import TINY
+  cfg = TINY.replace(attention_block=block)
+  assert layers.attention_kernel(cfg, dtype, segments, platform) == kernel
+  wide = cfg.replace(attn_head_dim=192)
+  assert layers.attention_kernel(wide, dtype, segments, platform) in ("xla", "blockwise")

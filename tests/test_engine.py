@@ -58,11 +58,13 @@ CASES = {
                 "full_attention")), ADAMW, dict(checkpoint_every=2)),
     # Mixture-of-experts layers (Qwen2-MoE's shape: a shared expert, no renormalized
     # top-k) mixed with a dense one, the load-balancing loss in the training loss;
-    # attention in blocks of 8 tokens (its custom VJP inside the templates).
+    # attention in blocks of 8 tokens (its custom VJP inside the templates), the dense
+    # layer's feed-forward in chunks of 7 tokens.
     "moe_mixed_shared_aux_blockwise": (BASE.replace(
         d_ff=48, n_experts=4, n_experts_per_tok=2, moe_d_ff=16, shared_expert_d_ff=24,
         norm_topk_prob=False, moe_layers=(True, False, True, True),
-        router_aux_loss_coef=0.1, attention_block=8), ADAMW, dict(checkpoint_every=2)),
+        router_aux_loss_coef=0.1, attention_block=8, mlp_chunk=7), ADAMW,
+        dict(checkpoint_every=2)),
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),

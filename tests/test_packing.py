@@ -81,3 +81,69 @@ def test_bad_packing_keys_are_named(change, message):
   with pytest.raises(ValueError) as e:
     mt.check_batch(TINY, batch)
   assert message in str(e.value)
+
+
+# --- Packing data ------------------------------------------------------------
+
+def _conversations(n, seed=0):
+  rng = np.random.default_rng(seed)
+  words = ["alpha", "beta", "gamma", "delta", "x", "yz"]
+  say = lambda k: " ".join(rng.choice(words, k))
+  return [[{"role": "user", "content": say(rng.integers(1, 5))},
+           {"role": "assistant", "content": say(rng.integers(1, 6))}]
+          + ([{"role": "user", "content": say(2)}, {"role": "assistant", "content": say(3)}]
+             if i % 3 == 0 else [])
+          for i in range(n)]
+
+
+def test_pack_rows_places_every_example_whole_and_once():
+  rng = np.random.default_rng(1)
+  examples = [(list(rng.integers(3, 50, n)), [1.0] * n) for n in rng.integers(1, 20, 40)]
+  tokens, mask, seg = mt.data.pack_rows(examples, 24, pad_id=0)
+  assert len(tokens) < len(examples) // 2  # several per row
+  found = []
+  for r in range(len(tokens)):
+    for s in range(1, seg[r].max() + 1):
+      found.append(tuple(tokens[r][seg[r] == s]))
+    assert (tokens[r][seg[r] == 0] == 0).all() and (mask[r][seg[r] == 0] == 0).all()
+  assert sorted(found) == sorted(tuple(ids) for ids, _ in examples)
+  with pytest.raises(ValueError, match="more than a row's 24"):
+    mt.data.pack_rows([([1] * 25, [1.0] * 25)], 24, pad_id=0)
+
+
+def test_packed_instruction_loss_is_the_token_weighted_loss_unpacked():
+  tok = mt.data.ByteTokenizer()
+  cfg = TINY.replace(vocab_size=tok.vocab_size, max_seq_len=160)
+  convs = _conversations(12)
+  seq_len = 159
+  rows, rmask = mt.data.build_sequences(convs, tok, seq_len)
+  packed, pmask, seg = mt.data.build_sequences(convs, tok, seq_len, pack=True)
+  assert len(packed) <= len(rows) // 2
+  one = mt.data.PackedDataset(rows, len(rows), 0, rmask).next_batch()
+  many = mt.data.PackedDataset(packed, len(packed), 0, pmask, seg).next_batch()
+  assert many["loss_mask"].sum() == one["loss_mask"].sum()
+  # Positions restart in each conversation and no label crosses into the next.
+  starts = np.diff(many["segment_ids"], axis=1) != 0
+  assert (many["positions"][:, 1:][starts] == 0).all()
+  assert (many["loss_mask"][:, :-1][starts] == 0).all()
+  params = mt.Llama(cfg, rngs=nnx.Rngs(3)).param_tree()
+  loss = lambda b: float(mt.models.loss.model_loss(cfg, params, jax.tree.map(jnp.asarray, b)))
+  np.testing.assert_allclose(loss(many), loss(one), rtol=1e-5)
+
+
+def test_text_documents_packed_with_boundaries():
+  docs = ["first doc", "two", "the third one"]
+  windows, seg = mt.data.pack(docs, 8, segments=True)
+  assert (windows == mt.data.pack(docs, 8)).all()
+  b = mt.data.PackedDataset(windows, len(windows), 0, segments_NxT1=seg).next_batch()
+  tok = mt.data.ByteTokenizer()
+  ends = [d + tok.decode([tok.EOS]) for d in docs]
+  for ids, s, pos in zip(b["input_ids"], b["segment_ids"], b["positions"]):
+    for doc_seg in np.unique(s):  # each segment is a piece of one document
+      assert any(tok.decode(ids[s == doc_seg]) in d for d in ends)
+      assert (pos[s == doc_seg] == np.arange((s == doc_seg).sum())).all()
+  # The label at the last token of a piece starts the next document: not trained.
+  boundary = np.diff(b["segment_ids"], axis=1) != 0
+  assert boundary.sum() == 2
+  assert (b["loss_mask"][:, :-1][boundary] == 0).all()
+  assert b["loss_mask"][:, :-1][~boundary].all() and b["loss_mask"][:, -1].all()

@@ -21,9 +21,12 @@ def _run(*args):
 def test_launcher_writes_metrics_and_plot(tmp_path, engine):
   if engine == "streaming":  # the script itself, flags and all
     r = _run(f"--workdir={tmp_path}", f"--engine={engine}", "--steps=6", "--log_every=2",
-             "--batch_size=4", "--seq_len=32", "--max_data_bytes=200000", "--host_threads=3")
+             "--batch_size=4", "--seq_len=32", "--max_data_bytes=200000", "--host_threads=3",
+             "--pack", "--attention_block=8", "--mlp_chunk=50")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "fused AdamW on 3 threads" in r.stderr
+    meta = json.load(open(tmp_path / "checkpoints" / "step_00000006" / "meta.json"))
+    assert meta["run"]["pack"] is True
   else:  # the same run, in-process
     train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path), engine=engine, steps=6,
                                         log_every=2, batch_size=4, seq_len=32,
@@ -62,6 +65,24 @@ def test_bad_train_config_is_a_clear_error(tmp_path, changes, engine, message):
     tc = train_lib.TrainConfig(workdir=str(tmp_path), steps=2, progress=False,
                                engine_config=mt.EngineConfig(**engine), **changes)
     train_lib.run(tc)
+
+
+@pytest.mark.parametrize("fmt, pack, packed", [("sharegpt", None, True),
+                                               ("sharegpt", False, False),
+                                               ("jsonl", None, False), ("jsonl", True, True)])
+def test_pack_defaults_on_for_instruction_data(tmp_path, fmt, pack, packed):
+  path = tmp_path / "d.jsonl"
+  path.write_text("".join(json.dumps({"conversations": [
+      {"from": "human", "value": "q"}, {"from": "gpt", "value": "a" * i}]}
+      if fmt == "sharegpt" else {"text": "doc " * i}) + "\n" for i in range(1, 25)))
+  tc = train_lib.TrainConfig(data=str(path), data_format=fmt, pack=pack, batch_size=2,
+                             seq_len=100, attention_block=16)
+  cfg = tc.model_config()
+  assert cfg.attention_block == 16 and cfg.mlp_chunk is None
+  batch = train_lib.make_dataset(tc, cfg).next_batch()
+  assert ("segment_ids" in batch) == packed
+  if packed:
+    assert batch["segment_ids"].max() > 1  # several documents in a row
 
 
 def test_config_validation_in_library():

@@ -10,7 +10,9 @@ with roles system / user / assistant:
 in a JSON file (a list of records) or JSONL (one per line). The loss is on every
 assistant turn of a conversation (not only the last), and on nothing else: the
 prompt, the other roles and the template's markup around them are masked. One
-conversation is one sequence (no packing), padded to `seq_len + 1`.
+conversation is one sequence padded to `seq_len + 1`, or, packed (`pack=True`),
+several conversations share a sequence, kept apart by segment ids
+(`data.packing`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 from absl import logging
 
+from megatrain_jax.data.packing import pack_rows
 from megatrain_jax.data.tokenizer import Message
 
 INSTRUCT_FORMATS = ("alpaca", "sharegpt")
@@ -170,20 +173,23 @@ def encode_conversation(tokenizer, messages: Sequence[Message]
 
 
 def build_sequences(conversations: Sequence[Sequence[Message]], tokenizer, seq_len: int,
-                    overlong: str = "truncate") -> tuple[np.ndarray, np.ndarray]:
-  """(tokens [N, seq_len + 1], mask [N, seq_len + 1]): one conversation per row,
-  padded with the tokenizer's pad id (mask 0). A conversation longer than a row is
-  truncated or dropped (`overlong`); one left with no trained token is dropped.
-  Both counts are logged.
+                    overlong: str = "truncate", pack: bool = False):
+  """Training rows of `seq_len + 1` tokens: one conversation per row, padded with
+  the tokenizer's pad id (mask 0), or with `pack` as many whole conversations per
+  row as fit, numbered by segment ids (`data.packing.pack_rows`). A conversation
+  longer than a row is truncated or dropped (`overlong`); one left with no trained
+  token is dropped. Both counts are logged.
 
   Args:
     conversations: the conversations, as from `read_conversations`.
     tokenizer: encodes and renders them; gives the pad id.
     seq_len: tokens a sequence trains on; each row holds one more.
     overlong: what to do with a conversation longer than a row, one of `OVERLONG`.
+    pack: pack several conversations into a row.
 
   Returns:
-    The int32 token rows and their float32 loss masks, both [N, seq_len + 1].
+    (tokens int32 [N, seq_len + 1], mask float32 [N, seq_len + 1]), and with `pack`
+    the segment ids int32 [N, seq_len + 1] as a third entry.
 
   Raises:
     ValueError: an unknown `overlong`, a chat template `encode_conversation` cannot
@@ -192,7 +198,7 @@ def build_sequences(conversations: Sequence[Sequence[Message]], tokenizer, seq_l
   if overlong not in OVERLONG:
     raise ValueError(f"overlong={overlong!r} is not one of {OVERLONG}.")
   n = seq_len + 1
-  rows, masks = [], []
+  examples = []
   truncated = dropped = empty = 0
   for conv in conversations:
     ids, mask = encode_conversation(tokenizer, conv)
@@ -205,15 +211,20 @@ def build_sequences(conversations: Sequence[Sequence[Message]], tokenizer, seq_l
     if not any(mask[1:]):
       empty += 1
       continue
-    pad = n - len(ids)
-    rows.append(ids + [tokenizer.pad_id] * pad)
-    masks.append(mask + [0.0] * pad)
+    examples.append((ids, mask))
   if truncated or dropped or empty:
     logging.warning("%d conversations: %d truncated and %d dropped for being longer than "
                     "%d tokens, %d dropped with no assistant token left.",
                     len(conversations), truncated, dropped, n, empty)
-  if not rows:
+  if not examples:
     raise ValueError(f"No conversation left to train on out of {len(conversations)} "
                      f"(longer than seq_len + 1 = {n}: raise --seq_len, or use "
                      "--overlong=truncate).")
+  if pack:
+    tokens, mask, segments = pack_rows(examples, n, tokenizer.pad_id)
+    logging.info("Packed %d conversations into %d rows of %d tokens (%.0f%% padding).",
+                 len(examples), len(tokens), n, 100 * float(np.mean(segments == 0)))
+    return tokens, mask, segments
+  rows = [ids + [tokenizer.pad_id] * (n - len(ids)) for ids, _ in examples]
+  masks = [mask + [0.0] * (n - len(mask)) for _, mask in examples]
   return np.asarray(rows, np.int32), np.asarray(masks, np.float32)

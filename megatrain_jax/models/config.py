@@ -11,9 +11,12 @@ from megatrain_jax.models.rope import RopeScaling
 # defaults, so that settings recorded before them still compare equal on resume.
 _LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm", "sliding_window", "layer_types",
                  "n_experts", "n_experts_per_tok", "moe_d_ff", "shared_expert_d_ff",
-                 "norm_topk_prob", "moe_layers", "router_aux_loss_coef", "attention_block")
+                 "norm_topk_prob", "moe_layers", "router_aux_loss_coef", "attention_block",
+                 "mlp_chunk")
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Fields that change how the model computes, not what: a checkpoint trains with any.
+COMPUTE_FIELDS = ("attention_block", "mlp_chunk")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,7 +49,9 @@ class LlamaConfig:
   `attention_block` picks how attention is computed, not what: None runs
   `jax.nn.dot_product_attention` (on the CPU backend it forms the T x T scores);
   an int runs `models.blockwise` with blocks of that many tokens, whose memory grows
-  with T, not T^2.
+  with T, not T^2. `mlp_chunk` runs a dense layer's norm and feed-forward that many
+  tokens at a time, each chunk recomputed in the backward, so its d_ff-wide
+  intermediates take one chunk's memory at any sequence length (None: all at once).
   """
 
   vocab_size: int = 260
@@ -73,6 +78,7 @@ class LlamaConfig:
   moe_layers: tuple[bool, ...] | None = None
   router_aux_loss_coef: float = 0.0
   attention_block: int | None = None
+  mlp_chunk: int | None = None
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
@@ -87,7 +93,7 @@ class LlamaConfig:
         raise ValueError(
             f"LlamaConfig.{name} must be a positive number, got {value!r}.")
     for name in ("attn_head_dim", "sliding_window", "moe_d_ff", "shared_expert_d_ff",
-                 "attention_block"):
+                 "attention_block", "mlp_chunk"):
       value = getattr(self, name)
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value <= 0):

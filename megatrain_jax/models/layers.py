@@ -71,6 +71,39 @@ def _dense(p, x):
   return y
 
 
+ATTENTION_KERNELS = ("xla", "cudnn", "blockwise")
+_FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def attention_kernel(cfg: LlamaConfig, dtype, segments: bool,
+                     platform: str | None = None) -> str:
+  """Which kernel computes attention (one of `ATTENTION_KERNELS`).
+
+  Without `cfg.attention_block`: "xla", `jax.nn.dot_product_attention`'s XLA path,
+  which forms the [T, T] scores. With it: "cudnn", the fused cuDNN kernel, on a GPU
+  in bf16/fp16 with a head width of at most 128 (a multiple of 8) and no segment
+  ids (its API takes no segment ids); else "blockwise" (`models.blockwise`), which
+  runs anywhere, in any dtype, with segment ids.
+
+  Args:
+    cfg: the model.
+    dtype: the dtype attention computes in.
+    segments: whether the batch carries segment ids.
+    platform: the JAX platform; None: the default backend's.
+
+  Returns:
+    The kernel's name.
+  """
+  if not cfg.attention_block:
+    return "xla"
+  platform = platform or jax.default_backend()
+  hd = cfg.head_dim
+  if (platform in ("gpu", "cuda") and jnp.dtype(dtype) in map(jnp.dtype, _FUSED_DTYPES)
+      and hd <= 128 and hd % 8 == 0 and not segments):
+    return "cudnn"
+  return "blockwise"
+
+
 def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | None = None,
               segment_ids=None):
   """Causal grouped-query self-attention with rotary embeddings.
@@ -98,9 +131,13 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
     k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
   q = rotary(q, positions_T, cfg.rope_theta, cfg.rope_scaling)
   k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
-  # Grouped-query attention: jax.nn.dot_product_attention takes K/V with fewer
-  # heads than Q when n_kv_heads divides n_heads.
-  if cfg.attention_block:
+  # Grouped-query attention: every kernel takes K/V with fewer heads than Q.
+  kernel = attention_kernel(cfg, q.dtype, segment_ids is not None)
+  if kernel == "cudnn":
+    o = jax.nn.dot_product_attention(
+        q, k, v, is_causal=True, implementation="cudnn",
+        local_window_size=None if window is None else (window - 1, 0))
+  elif kernel == "blockwise":
     o = blockwise.blockwise_attention(q, k, v, segment_ids=segment_ids, window=window,
                                       block_q=cfg.attention_block,
                                       block_k=cfg.attention_block)
@@ -125,3 +162,29 @@ def mlp(p: Params, x_BxTxD):
   """
   return _dense(p["down"], jax.nn.silu(_dense(p["gate"], x_BxTxD))
                 * _dense(p["up"], x_BxTxD))
+
+
+def over_token_chunks(fn, x_BxTxD, chunk: int):
+  """`fn(x)` for a function that treats each token alone (norms, the feed-forward),
+  run `chunk` tokens (over batch and sequence together) at a time. Each chunk is
+  recomputed in the backward (`jax.checkpoint`), so one chunk's intermediates
+  exist at a time, in the forward and in the backward.
+
+  Args:
+    fn: maps [1, C, D] to [1, C, D'], token by token.
+    x_BxTxD: the input.
+    chunk: tokens per chunk.
+
+  Returns:
+    fn(x), [B, T, D'].
+  """
+  b, t, d = x_BxTxD.shape
+  n = b * t
+  if n <= chunk:
+    return fn(x_BxTxD)
+  k = -(-n // chunk)
+  flat = jnp.pad(x_BxTxD.reshape(n, d), ((0, k * chunk - n), (0, 0)))
+  out = jax.lax.map(jax.checkpoint(lambda c_CxD: fn(c_CxD[None])[0]),
+                    flat.reshape(k, chunk, d))
+  return out.reshape(k * chunk, -1)[:n].reshape(b, t, -1)
+

@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from megatrain_jax.models import moe
+from megatrain_jax.models import layers, moe
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.layers import attention, mlp, rms_norm
 
@@ -229,11 +229,13 @@ def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
   h = x_BxTxD + attention(cfg, p["attn"],
                           rms_norm(x_BxTxD, p["attn_norm"]["scale"], cfg.norm_eps),
                           positions_T, window, segment_ids)
-  normed = rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps)
   if "experts" in p["mlp"]:
-    y, stats = moe.moe_apply(cfg, p["mlp"], normed)
+    y, stats = moe.moe_apply(cfg, p["mlp"], rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps))
     return h + y, stats
-  return h + mlp(p["mlp"], normed), None
+  ff = lambda y: y + mlp(p["mlp"], rms_norm(y, p["mlp_norm"]["scale"], cfg.norm_eps))
+  if cfg.mlp_chunk:
+    return layers.over_token_chunks(ff, h, cfg.mlp_chunk), None
+  return ff(h), None
 
 
 def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
