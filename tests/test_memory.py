@@ -22,6 +22,18 @@ class _SlowGradients(transport_lib.DeviceTransport):
     return super().d2h(device_array)
 
 
+class _SlowActivations(transport_lib.DeviceTransport):
+  """Checkpoints take 30 ms each way: the forward outruns their copies out."""
+
+  def offload(self, device_array):
+    time.sleep(0.03)
+    return super().offload(device_array)
+
+  def reload(self, host_array):
+    time.sleep(0.03)
+    return super().reload(host_array)
+
+
 CFG = TINY.replace(n_layers=4, vocab_size=512)
 CASES = {
     "default": (CFG, {}),
@@ -32,14 +44,18 @@ CASES = {
     "slow_link_resident_ends": (CFG, dict(transport="slow", stream_embed_head=False)),
     "slow_link_accum_tied": (CFG.replace(tie_embeddings=True),
                              dict(transport="slow", grad_accum=2)),
+    "host_activations_slow": (CFG.replace(n_layers=6), dict(transport="slow_activations",
+                                                            activations="host")),
 }
+TRANSPORTS = {"slow": _SlowGradients, "slow_activations": _SlowActivations}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_ledger_never_passes_the_model(name):
   cfg, kw = CASES[name]
   slow = kw.get("transport") == "slow"
-  ec = mt.EngineConfig(**{**kw, "transport": _SlowGradients() if slow else None})
+  ec = mt.EngineConfig(**{**kw, "transport": TRANSPORTS[kw["transport"]]()
+                          if "transport" in kw else None})
   with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
     for s in range(3):
       eng.step(random_batch(cfg, 4, 16, seed=s))
@@ -70,7 +86,7 @@ def test_start_buffers_stay_within_the_peak_without_them():
 def test_the_budget_check_and_the_preflight_use_the_same_numbers():
   ec = mt.EngineConfig()
   need = memory.device_bytes(CFG, ec, 4, 16)
-  tight = mt.EngineConfig(device_budget_bytes=need["total"] - 1)
+  tight = mt.EngineConfig(device_budget_bytes=need["total"] - 1, activations="device")
   with pytest.raises(ValueError, match=r"needs about .* over the device limit"):
     preflight.check_fits(CFG, optax.sgd(0.1), tight, 4, 16)
   with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.1), tight, jax.random.key(0)) as eng:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 OPTIMIZER_MODES = ("auto", "per_unit", "whole_tree")
 NONFINITE_POLICIES = ("raise", "skip")
 STREAM_COPIES = ("auto", "keep", "on_fetch")
+ACTIVATIONS = ("auto", "device", "host")
 # Compute dtypes by name; masters and optimizer state are always fp32.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Elements per step of the fused host AdamW's in-place loop: p, g, m and v of one
@@ -103,6 +104,11 @@ class EngineConfig:
   host_chunk: int = _field(
       HOST_CHUNK, "Elements each host AdamW thread updates at a time (p, g, m, v of a "
       "chunk should fit a core's L2 cache).", low=1)
+  activations: str = _field(
+      "auto", "Where the block inputs kept for the backward wait: device, host (pinned "
+      "host memory, sent during the forward and fetched back ahead of the backward: "
+      "device memory flat in depth), or auto (host when a step would not fit the "
+      "device budget or the accelerator otherwise).", choices=ACTIVATIONS)
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "

@@ -20,6 +20,10 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
+
+# Checkpoints on the device at once when they wait in host memory: the group being
+# worked on and the one moving (out during the forward, in ahead of the backward).
+HOST_CHECKPOINTS_ON_DEVICE = 2
 from megatrain_jax.engine.probe import resolve_for_config
 from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.models import llama
@@ -205,9 +209,14 @@ class StepPlan:
   Attributes:
     schedule: the `Schedule`, with the start buffers that fit.
     peak: bytes by kind at the moment of the peak, and "total".
+    activations: where the checkpoints wait, "device" or "host" (resolved from
+      `EngineConfig.activations`).
+    host_checkpoint_bytes: the host memory the checkpoints sent there take.
   """
   schedule: Schedule
   peak: dict[str, int]
+  activations: str = "device"
+  host_checkpoint_bytes: int = 0
 
 
 def _activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
@@ -220,6 +229,10 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int
             ) -> dict[str, int]:
   """The ledger's largest total over one micro-batch, by kind (see `step_plan`)."""
   unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
+  if ec.activations == "host":
+    ckpt = lambda n: min(n, HOST_CHECKPOINTS_ON_DEVICE) * act
+  else:
+    ckpt = lambda n: n * act
   order = sched.fetch_order
   both = order + order  # this micro-batch's fetches, then the next one's
   widest = max(sched.limit(q) for q in range(len(order))) if order else 0
@@ -267,12 +280,12 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int
   at({"gradients_in_flight": sum(queue)})
   for i in range(L):
     take(1 + i)
-    at({"activation_checkpoints": (i // c + 1) * act, "activations": act if i else 0,
+    at({"activation_checkpoints": ckpt(i // c + 1), "activations": act if i else 0,
         "gradients_in_flight": sum(queue)})
   take(sched.head)
   if sched.tied:
     take(0)
-  ckpts = len(groups) * act
+  ckpts = ckpt(len(groups))
   at({"activation_checkpoints": ckpts, "activations": act,
       "gradients_in_flight": sum(queue)})
   at({"activation_checkpoints": ckpts, "activations": 2 * act,
@@ -280,7 +293,7 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int
   send(grad[sched.head])
   layer0 = 0
   for gi, (s, e) in enumerate(reversed(groups)):
-    ckpts = (len(groups) - gi) * act
+    ckpts = ckpt(len(groups) - gi)
     for i in range(s, e):
       take(1 + i)
     for j in range(e - s - 1):  # the group's inputs, recomputed
@@ -308,13 +321,16 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
 
   The peak replays one micro-batch as the trainer runs it: parameter buffers (at
   most the fetch's slot limit among the positions around the compute, released
-  ones counted until reclaimed), resident units, activation checkpoints, the
-  running activation and gradient, a group's recomputed inputs, and gradients
-  waiting for the link (a full queue of `MAX_PENDING_GRADIENTS`, plus the one just
-  made, plus layer 0's while the embedding's leaves, plus the tied embedding's
-  from the head). XLA's scratch inside one call (e.g. a chunk of logits) is not in
-  it. Extra start buffers (`EngineConfig.step_start_buffers`) are granted to as
-  many of a micro-batch's first fetches as keep the peak where it is without them.
+  ones counted until reclaimed), resident units, activation checkpoints (all of
+  them, or with activations in host memory the `HOST_CHECKPOINTS_ON_DEVICE` being
+  worked on and moving), the running activation and gradient, a group's
+  recomputed inputs, and gradients waiting for the link (a full queue of
+  `MAX_PENDING_GRADIENTS`, plus the one just made, plus layer 0's while the
+  embedding's leaves, plus the tied embedding's from the head). XLA's scratch
+  inside one call (e.g. a chunk of logits) is not in it. Extra start buffers
+  (`EngineConfig.step_start_buffers`) are granted to as many of a micro-batch's
+  first fetches as keep the peak where it is without them. `activations="auto"`
+  is resolved by `resolve_activations` against the budget or the accelerator.
 
   Args:
     cfg: the model.
@@ -327,13 +343,51 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   """
   # The transport does not change the bytes; leaving it out of the cache key keeps
   # no transport alive.
-  return _step_plan(cfg, dataclasses.replace(ec, transport=None), batch_size, seq_len)
+  ec = dataclasses.replace(ec, transport=None)
+  if ec.activations == "auto":
+    ec = dataclasses.replace(ec, activations=_auto(cfg, ec, batch_size, seq_len))
+  return _step_plan(cfg, ec, batch_size, seq_len)
+
+
+def resolve_activations(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int,
+                        limit: int | None = None, extra: int = 0) -> str:
+  """Where `ec.activations` puts the checkpoints for this shape: "device" or "host".
+
+  "auto" is "host" when the step with its checkpoints on the device, plus `extra`
+  bytes, would pass `limit`; and "device" when it fits or there is no limit.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    limit: the device bytes available (default: the budget, else the accelerator's).
+    extra: bytes to count beyond the ledger's (the planner's workspace).
+
+  Returns:
+    "device" or "host".
+  """
+  if ec.activations != "auto":
+    return ec.activations
+  limit = limit or ec.device_budget_bytes or accelerator_bytes()
+  if limit is None:
+    return "device"
+  on_device = dataclasses.replace(ec, activations="device", transport=None)
+  need = device_bytes(cfg, on_device, batch_size, seq_len)["total"] + extra
+  return "device" if need <= limit else "host"
+
+
+@functools.lru_cache(maxsize=512)
+def _auto(cfg, ec, batch_size, seq_len) -> str:
+  return resolve_activations(cfg, ec, batch_size, seq_len)
 
 
 @functools.lru_cache(maxsize=512)
 def _step_plan(cfg, ec, batch_size, seq_len) -> StepPlan:
   act = _activation_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
+  host_ckpts = (len(base.groups) - 1) * act if ec.activations == "host" else 0
+  plan = lambda sched, peak: StepPlan(sched, peak, ec.activations, host_ckpts)
   peak = _replay(cfg, ec, base, act)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
                 if u not in base.resident_units())
@@ -345,9 +399,8 @@ def _step_plan(cfg, ec, batch_size, seq_len) -> StepPlan:
       mid = (lo + hi + 1) // 2
       lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
     if lo:
-      return StepPlan(dataclasses.replace(base, start_buffers=extra, start_positions=lo),
-                      peak)
-  return StepPlan(base, peak)
+      return plan(dataclasses.replace(base, start_buffers=extra, start_positions=lo), peak)
+  return plan(base, peak)
 
 
 def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,

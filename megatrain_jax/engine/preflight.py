@@ -52,7 +52,8 @@ def device_budget_error(where: str, need: dict[str, int], limit: int,
   return ValueError(
       f"{where} needs about {need['total'] / unit:.3f} {scale} of device memory "
       f"({describe(need, unit)}), over the device limit of {limit / unit:.3f} {scale}. "
-      "Lower the batch size or sequence length (or raise grad_accum), lower "
+      "Lower the batch size or sequence length (or raise grad_accum), send the "
+      "checkpoints to host memory (activations='host' or 'auto'), lower "
       "prefetch_depth or checkpoint_every, stream the embedding and head, or raise "
       "the budget (device_budget_bytes).")
 
@@ -78,7 +79,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     resident: plan a `ResidentTrainer` (everything on the device) instead.
 
   Returns:
-    {"host": bytes by kind, "device": bytes by kind}.
+    {"host": bytes by kind, "device": bytes by kind}; the host's include the
+    activation checkpoints sent there (`EngineConfig.activations`).
 
   Raises:
     ValueError: the run needs more host or device memory than there is, with the
@@ -89,6 +91,9 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   else:
     host = host_bytes(cfg, optimizer, ec)
     dev = device_bytes(cfg, ec, batch_size, seq_len)
+    host["activation_checkpoints"] = step_plan(cfg, ec, batch_size,
+                                               seq_len).host_checkpoint_bytes
+    host["total"] += host["activation_checkpoints"]
   host_limit = available_host_bytes() if host_limit is None else host_limit
   on_cpu = on_cpu_backend()
   host_need = host["total"] + (dev["total"] if on_cpu else 0)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from megatrain_jax.engine import nonfinite
+from megatrain_jax.engine.activations import HostActivations
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.gradients import GradientPipeline, UpdateClock
 from megatrain_jax.engine.host_optimizer import HostOptimizer
@@ -53,6 +54,7 @@ class Runtime:
     self.defer = host_opt.updates_after_sweep or ec.nonfinite == "skip"
     self._grad_hook = grad_hook
     self.h2d_bytes = self.peak_bytes = 0
+    self.last_activations = None  # where the last step's checkpoints waited
     self.last: dict[str, float] = {}
     self.open = False
     self.start()
@@ -69,6 +71,7 @@ class Runtime:
     self.pipeline = GradientPipeline(self.host_opt, self.store, self.clock, self.transport,
                                      self.ledger, self.defer, self.ec.timeout_s,
                                      self._grad_hook)
+    self.activations = HostActivations(self.transport, self.ledger, self.ec.timeout_s)
     self.open = True  # from here on `shutdown` stops the threads
     try:
       self.store.place_resident(self.schedule.resident_units())
@@ -300,6 +303,8 @@ class Runtime:
             "stream_copy": "keep" if self.store.keep_copy else "on_fetch",
             "out_of_order_fetches": self.prefetcher.out_of_order,
             "start_buffer_fetches": self.prefetcher.start_buffer_fetches,
+            "activations": self.last_activations,
+            "activation_bytes_moved": dict(self.activations.bytes_moved),
             "snapshot_copy_bytes": self.copies.current,
             "snapshot_copy_peak_bytes": self.copies.peak}
 
@@ -318,6 +323,7 @@ class Runtime:
       self.prefetcher.close()
     except BaseException as e:  # pylint: disable=broad-except
       error = e
+    self.activations.close()
     pipeline_error, prefetch_error = self.pipeline.close(), self.prefetcher.take_error()
     error = pipeline_error or prefetch_error or error
     self.store.free_device()

@@ -1,13 +1,14 @@
 """One micro-batch through the streaming engine: forward, head, backward.
 
   forward   embed, then every block through its template, keeping the block input
-            every `checkpoint_every` layers; the prefetcher moves the next units to
-            the device while the current one computes;
+            every `checkpoint_every` layers (on the device, or sent to host memory
+            with activations="host": `engine.activations`); the prefetcher moves
+            the next units to the device while the current one computes;
   head      final norm + LM head + chunked CE, value and gradient in one call; the
             MoE layers' router stats give the load-balancing loss and the
             gradient each router's probabilities get from it;
   backward  blocks in reverse groups: recompute the group's inputs from its
-            checkpoint, then `jax.vjp` layer by layer (each backward template
+            checkpoint (one brought back from host memory a group ahead), then `jax.vjp` layer by layer (each backward template
             recomputes its layer's forward); a group's parameters are fetched once
             and held until its backward ends;
   gradients each unit's gradient goes to the pipeline as soon as it exists, in the
@@ -33,8 +34,8 @@ from megatrain_jax.models import moe
 
 
 def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str, Any],
-               scale: jax.Array, guard: StepGuard, last: bool, start_next: bool
-               ) -> tuple[jax.Array, int]:
+               scale: jax.Array, guard: StepGuard, last: bool, start_next: bool,
+               host_checkpoints: bool = False) -> tuple[jax.Array, int]:
   """Forward, head and backward of one micro-batch; its gradients go to the pipeline.
 
   Args:
@@ -47,6 +48,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     last: the step's last micro-batch (per-unit updates run on its gradients).
     start_next: queue the next step's fetches behind this micro-batch's, so the
       link keeps working through the step's tail.
+    host_checkpoints: the checkpoints wait in host memory (all but the last group's).
 
   Returns:
     (this micro-batch's loss sum as a device scalar, input bytes moved).
@@ -77,8 +79,14 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   release(key, x)
   act_bytes = x.nbytes
   ckpts, starts, router = {}, {s for s, _ in schedule.groups}, []
+  offload = rt.activations if host_checkpoints else None
+  last_start = schedule.groups[-1][0] if schedule.groups else None
+  if offload is not None:
+    offload.reset()  # what a micro-batch that failed may have left
   for i in range(schedule.n_layers):
-    if i in starts:
+    if i in starts and offload is not None and i != last_start:
+      offload.put(i, x)  # counted in the ledger until it has left the device
+    elif i in starts:
       ckpts[i] = x
       ledger.add(("ckpt", i), act_bytes)
     p, key = get(1 + i)
@@ -105,9 +113,12 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   send(schedule.head, g_h, finite)
 
   layer0 = None
-  for s, e in reversed(schedule.groups):
+  backward = list(reversed(schedule.groups))
+  for gi, (s, e) in enumerate(backward):
+    if offload is not None and gi + 1 < len(backward):
+      offload.prefetch(backward[gi + 1][0])  # the next group's input, while this one runs
     params = [get(1 + i) for i in range(s, e)]
-    xs = [ckpts.pop(s)]
+    xs = [ckpts.pop(s) if s in ckpts else offload.take(s)]
     for j in range(e - s - 1):
       xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j, **extra)[0])
       ledger.add(("recompute", j), act_bytes)
@@ -169,13 +180,15 @@ def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], to
   """
   b = batch["input_ids"].shape[0]
   scale, sums, input_bytes = jnp.float32(1.0 / total), [], 0
+  rt.last_activations = plan.activations
   for m in range(grad_accum):
     if not (m == 0 and started):
       rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit)
     last = update and m == grad_accum - 1
     micro = {k: v[m * b // grad_accum:(m + 1) * b // grad_accum] for k, v in batch.items()}
     loss_sum, nbytes = micro_step(rt, tpl, plan.schedule, micro, scale, guard, last,
-                                  start_next=last)
+                                  start_next=last,
+                                  host_checkpoints=plan.activations == "host")
     sums.append(loss_sum)
     input_bytes += nbytes
   return float(sum(float(s) for s in sums)) / total, input_bytes

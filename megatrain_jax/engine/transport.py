@@ -89,6 +89,28 @@ class Transport(abc.ABC):
       The device array.
     """
 
+  @abc.abstractmethod
+  def offload(self, device_array: jax.Array) -> jax.Array:
+    """Moves an activation to host memory where the device can read it back fast.
+
+    Args:
+      device_array: an array in device memory (a block input).
+
+    Returns:
+      The array in host memory, ready when this returns.
+    """
+
+  @abc.abstractmethod
+  def reload(self, host_array: jax.Array) -> jax.Array:
+    """Moves an `offload` result back to device memory.
+
+    Args:
+      host_array: what `offload` returned.
+
+    Returns:
+      The array in device memory, ready when this returns.
+    """
+
   def h2d_cast(self, master: tuple[jax.Array, ...], dtype) -> jax.Array:
     """The fetch when no streaming copy is kept: joins and casts a master on the host,
     then `stage` and `h2d`.
@@ -150,6 +172,14 @@ class DeviceTransport(Transport):
       return device_array.block_until_ready()
     return jax.device_put(device_array, self.on_host).block_until_ready()
 
+  def offload(self, device_array):
+    # Pinned memory of the accelerator's own client: a DMA each way, no second
+    # backend involved (the CPU backend's copy where there is none).
+    return jax.device_put(device_array, self.pinned or self.on_host).block_until_ready()
+
+  def reload(self, host_array):
+    return jax.device_put(host_array, self.on_device).block_until_ready()
+
   def to_device(self, x):
     return jax.device_put(np.asarray(x), self.on_device)
 
@@ -197,6 +227,12 @@ class SimulatedLink(Transport):
 
   def d2h(self, device_array):
     return self._move("d2h", self.base.d2h, device_array)
+
+  def offload(self, device_array):
+    return self._move("d2h", self.base.offload, device_array)
+
+  def reload(self, host_array):
+    return self._move("h2d", self.base.reload, host_array)
 
   def to_device(self, x):
     return self.base.to_device(x)

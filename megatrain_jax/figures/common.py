@@ -20,20 +20,22 @@ from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.optim import adamw
 
-# Llama-shaped models at the paper's scales (GQA with 8 KV heads above 7B).
+# Llama-shaped models at the paper's scales (GQA with 8 KV heads above 7B). Attention in
+# blocks, as the paper's fused attention: on a GPU in bf16 that is cuDNN's kernel
+# (`models.layers.attention_kernel`), and the planner counts no [T, T] scores.
 PAPER_MODELS: dict[str, LlamaConfig] = {
     "7B": LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=32,
-                      d_ff=11008, max_seq_len=4096),
+                      d_ff=11008, max_seq_len=4096, attention_block=1024),
     "14B": LlamaConfig(vocab_size=32000, d_model=5120, n_layers=48, n_heads=40, n_kv_heads=8,
-                       d_ff=13824, max_seq_len=4096),
+                       d_ff=13824, max_seq_len=4096, attention_block=1024),
     "32B": LlamaConfig(vocab_size=32000, d_model=5120, n_layers=64, n_heads=40, n_kv_heads=8,
-                       d_ff=27648, max_seq_len=4096),
+                       d_ff=27648, max_seq_len=4096, attention_block=1024),
     "70B": LlamaConfig(vocab_size=32000, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                       d_ff=28672, max_seq_len=4096),
+                       d_ff=28672, max_seq_len=4096, attention_block=1024),
     "120B": LlamaConfig(vocab_size=32000, d_model=10240, n_layers=88, n_heads=80, n_kv_heads=8,
-                        d_ff=36864, max_seq_len=4096),
+                        d_ff=36864, max_seq_len=4096, attention_block=1024),
     "200B": LlamaConfig(vocab_size=32000, d_model=12288, n_layers=118, n_heads=96,
-                        n_kv_heads=8, d_ff=36864, max_seq_len=4096),
+                        n_kv_heads=8, d_ff=36864, max_seq_len=4096, attention_block=1024),
 }
 
 

@@ -1,0 +1,123 @@
+"""Activation checkpoints in host memory (`EngineConfig.activations="host"`).
+
+During the forward each checkpointed block input is handed to `HostActivations`,
+whose transfer thread copies it to host memory (`Transport.offload`) while the
+next layers compute; its device buffer is counted in the ledger until the copy is
+done, and at most one copy is outstanding, so the device holds a fixed number of
+checkpoints whatever the depth (`memory.HOST_CHECKPOINTS_ON_DEVICE`). The
+backward asks for each group's input one group ahead (`prefetch`), and the same
+thread brings it back (`Transport.reload`) while the group before computes.
+
+The last group's input is needed right after the head and never leaves the
+device. One thread moves both directions in the order asked, which is the order
+the step needs them. A failure on the thread is raised in the caller by the next
+`put` or `take`; a caller waits at most `timeout_s`.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import jax
+
+from megatrain_jax.engine.prefetch import Ledger, WorkerError
+from megatrain_jax.engine.transport import Transport
+
+
+class HostActivations:
+  """Block inputs of one micro-batch, waiting in host memory for the backward."""
+
+  def __init__(self, transport: Transport, ledger: Ledger, timeout_s: float):
+    """Starts the transfer thread.
+
+    Args:
+      transport: moves the bytes (`offload` and `reload`).
+      ledger: counts the device bytes of checkpoints moving or on the device.
+      timeout_s: the longest a caller waits for a transfer.
+    """
+    self._tp, self._ledger, self._timeout = transport, ledger, timeout_s
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, "megatrain-activations")
+    self._out: dict[Any, concurrent.futures.Future] = {}
+    self._in: dict[Any, concurrent.futures.Future] = {}
+    self.bytes_moved = {"d2h": 0, "h2d": 0}
+
+  def _send(self, key, x: jax.Array) -> jax.Array:
+    try:
+      host = self._tp.offload(x)
+      self.bytes_moved["d2h"] += x.nbytes
+      return host
+    finally:
+      self._ledger.remove(("ckpt", key))  # the device buffer is free (or lost)
+
+  def _bring(self, key, out: concurrent.futures.Future) -> jax.Array:
+    host = out.result()
+    self._ledger.add(("ckpt", key), host.nbytes)
+    x = self._tp.reload(host)
+    self.bytes_moved["h2d"] += x.nbytes
+    return x
+
+  def _wait(self, future: concurrent.futures.Future, what: str):
+    try:
+      return future.result(timeout=self._timeout)
+    except concurrent.futures.TimeoutError:
+      raise TimeoutError(f"Moving {what} between device and host took more than "
+                         f"{self._timeout:g} s (EngineConfig.timeout_s).") from None
+    except concurrent.futures.CancelledError:
+      raise WorkerError(f"The transfer of {what} was cancelled (the engine is "
+                        "shutting down).") from None
+
+  def put(self, key, x: jax.Array) -> None:
+    """Sends a checkpoint to host memory, once the one before it has arrived there.
+
+    Args:
+      key: its name (the group's first layer).
+      x: the block input, on the device.
+
+    Raises:
+      What the earlier transfer met; TimeoutError if it takes over `timeout_s`.
+    """
+    for k, f in list(self._out.items()):
+      self._wait(f, f"the activation checkpoint of layer {k}")
+    self._ledger.add(("ckpt", key), x.nbytes)
+    self._out[key] = self._pool.submit(self._send, key, x)
+
+  def prefetch(self, key) -> None:
+    """Starts bringing a checkpoint back to the device (after it has left).
+
+    Args:
+      key: a key given to `put`.
+    """
+    if key in self._out and key not in self._in:
+      self._in[key] = self._pool.submit(self._bring, key, self._out[key])
+
+  def take(self, key) -> jax.Array:
+    """A checkpoint back on the device (fetched now if `prefetch` did not ask).
+
+    Args:
+      key: a key given to `put`.
+
+    Returns:
+      The block input, on the device; counted in the ledger under ("ckpt", key)
+      until the caller removes it.
+
+    Raises:
+      What the transfer met; TimeoutError if it takes over `timeout_s`.
+    """
+    self.prefetch(key)
+    x = self._wait(self._in.pop(key), f"the activation checkpoint of layer {key}")
+    self._out.pop(key, None)
+    return x
+
+  def reset(self) -> None:
+    """Forgets the checkpoints of a micro-batch that ended early (an error): their
+    transfers finish or fail on the thread, and nothing waits for them."""
+    for key in set(self._out) | set(self._in):
+      self._ledger.remove(("ckpt", key))
+    self._out.clear()
+    self._in.clear()
+
+  def close(self) -> None:
+    """Stops the thread; transfers not started are dropped."""
+    self.reset()
+    self._pool.shutdown(wait=False, cancel_futures=True)

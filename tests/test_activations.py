@@ -1,0 +1,80 @@
+"""Activation checkpoints in host memory: the same step, a device peak flat in depth."""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import megatrain_jax as mt
+from megatrain_jax.engine import memory
+from megatrain_jax.engine import transport as transport_lib
+
+from conftest import TINY, random_batch
+
+# Activations outweigh a layer's parameters: 4 x 64 tokens x 32 x 4 B = 32 KiB each.
+CFG = TINY.replace(max_seq_len=64)
+
+
+def _train(cfg, steps=3, **kw):
+  ec = mt.EngineConfig(**kw)
+  with mt.StreamingTrainer.from_config(cfg, optax.adamw(1e-2), ec, jax.random.key(0)) as eng:
+    losses = [eng.step(random_batch(cfg, 4, 64, seed=s))["loss"] for s in range(steps)]
+    return losses, eng.params(), eng.stats()
+
+
+@pytest.mark.parametrize("kw", [dict(checkpoint_every=1), dict(checkpoint_every=2),
+                                dict(checkpoint_every=2, grad_accum=2)],
+                         ids=["every_layer", "groups", "groups_accum"])
+def test_host_checkpoints_give_the_same_step_bit_for_bit(kw):
+  cfg = CFG.replace(n_layers=5)
+  want_losses, want, _ = _train(cfg, activations="device", **kw)
+  got_losses, got, stats = _train(cfg, activations="host", **kw)
+  assert got_losses == want_losses
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(a, b)
+  assert stats["activations"] == "host"
+  groups = -(-5 // kw["checkpoint_every"])
+  act = 4 // kw.get("grad_accum", 1) * 64 * cfg.d_model * 4
+  # All but the last group's input went out and came back, every micro-batch.
+  moved = 3 * kw.get("grad_accum", 1) * (groups - 1) * act
+  assert stats["activation_bytes_moved"] == {"d2h": moved, "h2d": moved}
+
+
+def test_the_device_peak_is_flat_in_depth():
+  act = 4 * 64 * CFG.d_model * 4
+  peaks = {}
+  for where in ("device", "host"):
+    for n in (4, 10):
+      peaks[where, n] = _train(CFG.replace(n_layers=n), steps=2, activations=where)[2][
+          "device_peak_bytes"]
+  assert peaks["device", 10] - peaks["device", 4] >= 5 * act  # one checkpoint per layer
+  assert abs(peaks["host", 10] - peaks["host", 4]) < act
+  assert peaks["host", 10] < peaks["device", 10] - 5 * act
+
+
+def test_auto_sends_them_to_the_host_when_the_device_is_too_small():
+  cfg = CFG.replace(n_layers=8)
+  on_device = memory.device_bytes(cfg, mt.EngineConfig(activations="device"), 4, 64)
+  on_host = memory.device_bytes(cfg, mt.EngineConfig(activations="host"), 4, 64)
+  budget = (on_device["total"] + on_host["total"]) // 2
+  ec = mt.EngineConfig(device_budget_bytes=budget)
+  assert memory.step_plan(cfg, ec, 4, 64).activations == "host"
+  assert memory.step_plan(cfg, ec, 1, 64).activations == "device"  # a small batch fits
+  fixed = mt.EngineConfig(device_budget_bytes=budget, activations="device")
+  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), fixed, jax.random.key(0)) as eng:
+    with pytest.raises(ValueError, match="device_budget_bytes"):
+      eng.step(random_batch(cfg, 4, 64))
+  losses, _, stats = _train(cfg, steps=2, device_budget_bytes=budget)
+  assert stats["activations"] == "host" and stats["device_peak_bytes"] <= budget
+
+
+class _BrokenOffload(transport_lib.DeviceTransport):
+  def offload(self, device_array):
+    raise OSError("pinned host memory exhausted")
+
+
+def test_a_failed_transfer_is_raised_in_the_caller():
+  ec = mt.EngineConfig(activations="host", transport=_BrokenOffload(), timeout_s=30)
+  with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    with pytest.raises(OSError, match="pinned host memory exhausted"):
+      eng.step(random_batch(CFG, 4, 64))
