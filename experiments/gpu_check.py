@@ -1,5 +1,6 @@
-"""The accelerator check: link bandwidth by source kind, streaming vs resident, the cost
-of making the streaming copy at each fetch, and the largest model host RAM holds.
+"""The accelerator check: link bandwidth by source kind and d2h path, the cuDNN attention
+kernel against the blockwise one, streaming vs resident, the cost of making the
+streaming copy at each fetch, and the largest model host RAM holds.
 
   bash experiments/gpu_check.sh            # on the GPU machine; writes $OUT/gpu_check.json
   python experiments/gpu_check.py --quick --out=/tmp/g.json   # tiny sizes, any machine
@@ -64,6 +65,61 @@ def link_bandwidth(nbytes: int, reps: int) -> dict:
   return out
 
 
+def d2h_paths(nbytes: int, reps: int) -> dict:
+  """d2h GB/s of each way a device array can reach the host optimizer
+  (`engine.transport.D2H_PATHS`), and of a template writing its output to pinned host
+  memory directly."""
+  dev = jax.devices()[0]
+  S = jax.sharding.SingleDeviceSharding
+  x = jax.device_put(np.ones(nbytes // 4, np.float32), S(dev, memory_kind="device"))
+  cpu = S(jax.devices("cpu")[0])
+  paths = {"cpu_backend": lambda: jax.device_put(x, cpu)}
+  try:
+    pinned = S(dev, memory_kind="pinned_host")
+    jax.block_until_ready(jax.device_put(x, pinned))
+    paths["pinned_host"] = lambda: jax.device_put(x, pinned)
+    paths["pinned_host_then_cpu"] = lambda: jax.device_put(
+        np.asarray(jax.device_put(x, pinned)), cpu)
+    out_pinned = jax.jit(lambda a: a + 0, out_shardings=pinned)
+    paths["template_output_pinned"] = lambda: out_pinned(x)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("no pinned_host d2h: %s", e)
+  t = bench.median_times({k: (lambda f=f: jax.block_until_ready(f())) for k, f in paths.items()},
+                         1, reps)
+  return {f"d2h_gb_per_s_{k}": nbytes / v / 1e9 for k, v in t.items()}
+
+
+def attention_kernels(quick: bool) -> dict:
+  """cuDNN's fused attention against the blockwise kernel, bf16, values and gradients
+  (max difference over max value), with and without a sliding window."""
+  from megatrain_jax.models import blockwise  # pylint: disable=import-outside-toplevel
+  b, t, h, g, d = (1, 256, 4, 2, 64) if quick else (2, 4096, 32, 8, 128)
+  ks = jax.random.split(jax.random.key(0), 4)
+  q, k, v, do = (jax.random.normal(kk, (b, t, n, d), jnp.bfloat16)
+                 for kk, n in zip(ks, (h, g, g, h)))
+  out = {}
+  for window in (None, 512):
+    def run(impl):
+      def f(q, k, v):
+        if impl == "blockwise":
+          return blockwise.blockwise_attention(q, k, v, window=window, block_q=512,
+                                               block_k=512)
+        return jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn",
+            local_window_size=None if window is None else (window - 1, 0))
+      o, vjp = jax.vjp(f, q, k, v)
+      return (o, *vjp(do))
+    name = f"cudnn_vs_blockwise_{'window' if window else 'causal'}"
+    try:
+      got, want = run("cudnn"), run("blockwise")
+    except Exception as e:  # pylint: disable=broad-except
+      out[name] = f"unavailable: {type(e).__name__}: {str(e)[:200]}"
+      continue
+    out[name] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - w.astype(jnp.float32)))
+                        / jnp.max(jnp.abs(w.astype(jnp.float32)))) for a, w in zip(got, want))
+  return out
+
+
 def stream_copy_cost(cfg: LlamaConfig, batch_size: int, seq_len: int, reps: int) -> dict:
   """Streaming step time with each fetch casting the fp32 master (stream_copy="on_fetch",
   2 B/param less host memory in bf16) over keeping the pinned copies (the accelerator
@@ -103,7 +159,11 @@ def main(argv):
   quick = FLAGS.quick
   out = {"machine": bench.machine(), "peak_tflops": FLAGS.peak_tflops}
   out.update(link_bandwidth(2**20 if quick else 2**30, 3 if quick else 5))
+  out.update(d2h_paths(2**20 if quick else 2**30, 3 if quick else 5))
   logging.info("link: %s", out)
+  save(out)
+  out.update(attention_kernels(quick))
+  logging.info("attention kernels: %s", {k: v for k, v in out.items() if "cudnn" in k})
   save(out)
   fits = TINY if quick else FITS
   suite = bench.Suite(model=fits, batch_size=2 if quick else 4,

@@ -12,19 +12,25 @@ from absl import app, flags
 
 from megatrain_jax import planner
 from megatrain_jax.engine import EngineConfig, host_memory
-from megatrain_jax.engine.config import DTYPES
+from megatrain_jax.engine.config import ACTIVATIONS, DTYPES
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.optim import adamw
 
 flags.DEFINE_string("model", "7b", f"A preset: {sorted(PRESETS)}.")
 flags.DEFINE_string("hf_config", None, "A Hugging Face config.json (overrides --model).")
 flags.DEFINE_string("hardware", "h200", "A hardware profile, or 'measured'.")
-flags.DEFINE_string("batch_size", "8", "Sequences per step, or 'auto' (the largest that fits).")
+flags.DEFINE_string("batch_size", "auto", "Sequences per step, or 'auto' (the largest that fits).")
 flags.DEFINE_integer("seq_len", 4096, "Tokens per sequence.")
 flags.DEFINE_enum("compute_dtype", "bfloat16", list(DTYPES), "Compute dtype.")
 flags.DEFINE_integer("prefetch_depth", 2, "Units fetched ahead.")
 flags.DEFINE_integer("checkpoint_every", 1, "Activation checkpoint every N layers.")
 flags.DEFINE_integer("grad_accum", 1, "Micro-batches per step.")
+flags.DEFINE_enum("activations", "auto", list(ACTIVATIONS),
+                  "Where activation checkpoints wait (auto: host when the device is short).")
+flags.DEFINE_integer("attention_block", None, "Attention in blocks of this many tokens "
+                     "(default: the model's, or 1024 when the model does not fit without).")
+flags.DEFINE_integer("mlp_chunk", None, "Feed-forward in chunks of this many tokens "
+                     "(default: the model's, or 8192 when it does not fit without).")
 FLAGS = flags.FLAGS
 
 
@@ -38,15 +44,20 @@ def main(argv):
   except (ValueError, FileNotFoundError) as e:
     raise app.UsageError(str(e)) from None
   cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, FLAGS.seq_len))
+  cfg = cfg.replace(**{k: FLAGS[k].value for k in ("attention_block", "mlp_chunk")
+                       if FLAGS[k].value is not None})
   ec = EngineConfig(prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
-                    compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum)
+                    compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum,
+                    activations=FLAGS.activations)
   opt = adamw(1e-4)
   if FLAGS.batch_size == "auto":
+    cfg = planner.fit_compute(cfg, ec, hw, ec.grad_accum, FLAGS.seq_len)
     batch = planner.largest_batch(cfg, ec, hw.device_bytes, FLAGS.seq_len, hw.flash_attention)
     if batch == 0:
       raise app.UsageError(f"Not even one sequence of {FLAGS.seq_len} tokens fits {hw.name}.")
   else:
     batch = int(FLAGS.batch_size)
+    cfg = planner.fit_compute(cfg, ec, hw, batch, FLAGS.seq_len)
   print(planner.plan(cfg, opt, ec, hw, batch, FLAGS.seq_len).table())  # the tool's output
 
 

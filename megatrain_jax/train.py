@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
-import logging as std_logging
 import os
 import shutil
-import sys
 import time
 from typing import Any
 
@@ -21,9 +18,11 @@ from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax import planner
+from megatrain_jax import progress
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import optim
 from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer, memory
+from megatrain_jax.engine import pinned, platform
 from megatrain_jax.engine import preflight as preflight_lib
 from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
@@ -114,11 +113,19 @@ class TrainConfig:
     return cfg.replace(**self.compute()) if self.compute() else cfg
 
   def compute(self) -> dict[str, int]:
-    """The model settings given by flags that change how it computes, not what."""
+    """The model settings given by flags that change how it computes, not what.
+
+    Returns:
+      --attention_block and --mlp_chunk, those given.
+    """
     return {k: getattr(self, k) for k in COMPUTE_FIELDS if getattr(self, k) is not None}
 
   def packs(self) -> bool:
-    """Whether the data is packed (--pack, by default for instruction data)."""
+    """Whether the data is packed.
+
+    Returns:
+      --pack, or when unset whether the data is instruction data.
+    """
     return self.data_format in data_lib.INSTRUCT_FORMATS if self.pack is None else self.pack
 
   def streaming_config(self) -> EngineConfig:
@@ -235,10 +242,10 @@ def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
     ValueError: not even one sequence fits.
   """
   ec = tc.engine_config
-  limit = ec.device_budget_bytes or memory.accelerator_bytes()
+  limit = ec.device_budget_bytes or platform.accelerator_bytes()
   if limit is None:
     host = memory.host_bytes(cfg, make_optimizer(tc), ec)["total"]
-    limit = (tc.host_memory_limit_bytes or memory.available_host_bytes()) - host
+    limit = (tc.host_memory_limit_bytes or platform.available_host_bytes()) - host
   batch = planner.largest_batch(cfg, ec, max(limit, 0), tc.seq_len,
                                 flash_attention=jax.devices()[0].platform != "cpu")
   if batch == 0:
@@ -319,7 +326,7 @@ def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
                                   resident=resident)
   logging.info("Memory plan: host %.3f GiB, device %.3f GiB (available host: %.1f GiB).",
                plan["host"]["total"] / memory.GiB, plan["device"]["total"] / memory.GiB,
-               (tc.host_memory_limit_bytes or memory.available_host_bytes()) / memory.GiB)
+               (tc.host_memory_limit_bytes or platform.available_host_bytes()) / memory.GiB)
   return plan
 
 
@@ -360,6 +367,11 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
   """
   tc.validate()
   cfg = tc.model_config()
+  if tc.engine == "streaming":
+    # Before anything starts a JAX backend: XLA's GPU client reads the pinned-memory
+    # limit once. An automatic batch size is not known yet: its copies only.
+    batch = 0 if tc.batch_size == "auto" else tc.batch_size
+    pinned.configure(pinned.pinned_bytes(cfg, tc.engine_config, batch, tc.seq_len))
   if tc.batch_size == "auto":
     tc = dataclasses.replace(tc, batch_size=auto_batch_size(tc, cfg))
   dataset = make_dataset(tc, cfg)
@@ -433,8 +445,8 @@ def _resume(tc, cfg, trainer, ckpt, dataset, metrics_path) -> int:
 def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int) -> None:
   flops_per_token = metrics_lib.model_flops_per_token(cfg, tc.seq_len)
   settings = checkpoint_settings(tc, cfg)
-  bar = progress_bar(tc.steps, start) if tc.progress else None
-  with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer, logs_around(bar):
+  bar = progress.progress_bar(tc.steps, start) if tc.progress else None
+  with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer, progress.logs_around(bar):
     for step in range(start + 1, tc.steps + 1):
       batch = dataset.next_batch()
       t0 = time.perf_counter()
@@ -459,53 +471,3 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
       trainer.wait()  # the last step's last updates, and anything they found
   if bar is not None:
     bar.close()
-
-
-def progress_bar(total: int, start: int):
-  """A progress bar, on a terminal only.
-
-  Args:
-    total: steps in the run.
-    start: steps already done.
-
-  Returns:
-    A tqdm bar, or None elsewhere (CI, files), where each logged step is one plain
-    log line.
-  """
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True,
-             disable=None)
-  return None if bar.disable else bar
-
-
-@contextlib.contextmanager
-def logs_around(bar):
-  """While a bar is shown, log lines go through tqdm, above the bar (not over it).
-
-  Args:
-    bar: the bar, or None (nothing changes).
-
-  Yields:
-    Nothing; the redirection lasts the `with` block.
-  """
-  if bar is None:
-    yield
-    return
-  from tqdm import tqdm  # pylint: disable=import-outside-toplevel
-  root, absl_handler = std_logging.getLogger(), logging.get_absl_handler()
-
-  class AboveTheBar(std_logging.Handler):
-    def emit(self, record):
-      tqdm.write(self.format(record), file=sys.stderr)
-
-  handler = AboveTheBar()
-  handler.setFormatter(logging.PythonFormatter())
-  had_absl = absl_handler in root.handlers
-  root.removeHandler(absl_handler)
-  root.addHandler(handler)
-  try:
-    yield
-  finally:
-    root.removeHandler(handler)
-    if had_absl:
-      root.addHandler(absl_handler)

@@ -6,6 +6,7 @@ import sys
 import pytest
 
 import megatrain_jax as mt
+from megatrain_jax import progress
 from megatrain_jax import train as train_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,13 +128,13 @@ def test_logs_go_above_a_progress_bar_and_plain_elsewhere(monkeypatch):
   written = []
   monkeypatch.setattr(tqdm.tqdm, "write",
                       staticmethod(lambda text, file=None: written.append(text)))
-  with train_lib.logs_around(Bar()):
+  with progress.logs_around(Bar()):
     logging.warning("above the bar")
   assert len(written) == 1 and written[0].endswith("above the bar")
   assert written[0].startswith("W") and "\n" not in written[0]  # absl's format
   import logging as std_logging
   assert not any(type(h).__name__ == "AboveTheBar" for h in std_logging.getLogger().handlers)
-  with train_lib.logs_around(None):  # no bar: nothing changes
+  with progress.logs_around(None):  # no bar: nothing changes
     logging.warning("plain")
   assert len(written) == 1
-  assert train_lib.progress_bar(10, 0) is None  # pytest's output is not a terminal
+  assert progress.progress_bar(10, 0) is None  # pytest's output is not a terminal

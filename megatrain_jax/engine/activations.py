@@ -17,6 +17,7 @@ the step needs them. A failure on the thread is raised in the caller by the next
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 from typing import Any
 
 import jax
@@ -41,11 +42,23 @@ class HostActivations:
     self._out: dict[Any, concurrent.futures.Future] = {}
     self._in: dict[Any, concurrent.futures.Future] = {}
     self.bytes_moved = {"d2h": 0, "h2d": 0}
+    self._lock = threading.Lock()
+    self._held: dict[Any, int] = {}  # checkpoints in host memory, by key
+    self.host_peak_bytes = 0
+
+  def _hold(self, key, nbytes: int | None) -> None:
+    with self._lock:
+      if nbytes is None:
+        self._held.pop(key, None)
+      else:
+        self._held[key] = nbytes
+      self.host_peak_bytes = max(self.host_peak_bytes, sum(self._held.values()))
 
   def _send(self, key, x: jax.Array) -> jax.Array:
     try:
       host = self._tp.offload(x)
       self.bytes_moved["d2h"] += x.nbytes
+      self._hold(key, host.nbytes)
       return host
     finally:
       self._ledger.remove(("ckpt", key))  # the device buffer is free (or lost)
@@ -55,6 +68,7 @@ class HostActivations:
     self._ledger.add(("ckpt", key), host.nbytes)
     x = self._tp.reload(host)
     self.bytes_moved["h2d"] += x.nbytes
+    self._hold(key, None)
     return x
 
   def _wait(self, future: concurrent.futures.Future, what: str):
@@ -114,6 +128,8 @@ class HostActivations:
     transfers finish or fail on the thread, and nothing waits for them."""
     for key in set(self._out) | set(self._in):
       self._ledger.remove(("ckpt", key))
+    with self._lock:
+      self._held.clear()
     self._out.clear()
     self._in.clear()
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
+from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
 
 # Checkpoints on the device at once when they wait in host memory: the group being
 # worked on and the one moving (out during the forward, in ahead of the backward).
@@ -97,15 +97,6 @@ def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
   """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   return [s * (4 if u == 0 else cd) for u, s in enumerate(_sizes(cfg))]
-
-
-def on_cpu_backend() -> bool:
-  """Whether the engine computes on the CPU backend.
-
-  Returns:
-    True when the default device is a CPU (its device memory is host RAM).
-  """
-  return jax.devices()[0].platform == "cpu"
 
 
 def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
@@ -219,8 +210,19 @@ class StepPlan:
   host_checkpoint_bytes: int = 0
 
 
-def _activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
-                      seq_len: int) -> int:
+def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+                     seq_len: int) -> int:
+  """Bytes of one block input of a micro-batch (a checkpoint, or the running one).
+
+  Args:
+    cfg: the model.
+    ec: the engine config (compute dtype, grad_accum).
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    micro-batch x seq_len x d_model x the compute dtype's size.
+  """
   return (batch_size // ec.grad_accum) * seq_len * cfg.d_model * jnp.dtype(
       ec.compute_dtype).itemsize
 
@@ -384,7 +386,7 @@ def _auto(cfg, ec, batch_size, seq_len) -> str:
 
 @functools.lru_cache(maxsize=512)
 def _step_plan(cfg, ec, batch_size, seq_len) -> StepPlan:
-  act = _activation_bytes(cfg, ec, batch_size, seq_len)
+  act = activation_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
   host_ckpts = (len(base.groups) - 1) * act if ec.activations == "host" else 0
   plan = lambda sched, peak: StepPlan(sched, peak, ec.activations, host_ckpts)
@@ -464,31 +466,3 @@ def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformat
 
 
 # -- this machine's limits ------------------------------------------------------------
-
-def available_host_bytes() -> int:
-  """Host memory the kernel says a new allocation can get.
-
-  Returns:
-    MemAvailable from /proc/meminfo (elsewhere, the free pages).
-  """
-  try:
-    with open("/proc/meminfo", encoding="ascii") as f:
-      for line in f:
-        if line.startswith("MemAvailable:"):
-          return int(line.split()[1]) * 1024
-  except OSError:
-    pass
-  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def accelerator_bytes() -> int | None:
-  """The accelerator's memory limit.
-
-  Returns:
-    Its `bytes_limit`, or None on the CPU backend (where device memory is host RAM).
-  """
-  dev = jax.devices()[0]
-  if dev.platform == "cpu":
-    return None
-  stats = dev.memory_stats() or {}
-  return stats.get("bytes_limit")

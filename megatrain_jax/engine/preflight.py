@@ -12,10 +12,12 @@ from typing import Any
 
 import optax
 
+from megatrain_jax.engine import pinned
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.memory import (GiB, StepPlan, accelerator_bytes,
-                                         available_host_bytes, device_bytes, host_bytes,
-                                         on_cpu_backend, resident_device_bytes, step_plan)
+from megatrain_jax.engine.memory import (GiB, StepPlan, device_bytes, host_bytes,
+                                         resident_device_bytes, step_plan)
+from megatrain_jax.engine.platform import (accelerator_bytes, available_host_bytes,
+                                           on_cpu_backend, on_gpu)
 from megatrain_jax.models.batch import check_batch
 from megatrain_jax.models.config import LlamaConfig
 
@@ -79,12 +81,14 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     resident: plan a `ResidentTrainer` (everything on the device) instead.
 
   Returns:
-    {"host": bytes by kind, "device": bytes by kind}; the host's include the
-    activation checkpoints sent there (`EngineConfig.activations`).
+    {"host": bytes by kind, "device": bytes by kind}, and for a streaming run
+    "pinned": the host bytes in pinned memory (`engine.pinned`). The host's
+    include the activation checkpoints sent there (`EngineConfig.activations`).
 
   Raises:
-    ValueError: the run needs more host or device memory than there is, with the
-      numbers by kind and what to change.
+    ValueError: the run needs more host or device memory than there is, or more
+      pinned memory than XLA's GPU client allows, with the numbers by kind and
+      what to change.
   """
   if resident:
     host, dev = {"total": 0}, resident_device_bytes(cfg, optimizer)
@@ -111,7 +115,12 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
       or accelerator_bytes()
   if limit is not None and dev["total"] > limit:
     raise device_budget_error(f"A step on batch [{batch_size}, {seq_len}]", dev, limit)
-  return {"host": host, "device": dev}
+  out = {"host": host, "device": dev}
+  if not resident:
+    out["pinned"] = pinned.pinned_bytes(cfg, ec, batch_size, seq_len, on_cpu)
+    if on_gpu():
+      pinned.check(out["pinned"])
+  return out
 
 
 def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any

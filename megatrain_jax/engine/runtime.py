@@ -305,6 +305,7 @@ class Runtime:
             "start_buffer_fetches": self.prefetcher.start_buffer_fetches,
             "activations": self.last_activations,
             "activation_bytes_moved": dict(self.activations.bytes_moved),
+            "host_activation_peak_bytes": self.activations.host_peak_bytes,
             "snapshot_copy_bytes": self.copies.current,
             "snapshot_copy_peak_bytes": self.copies.peak}
 

@@ -134,10 +134,30 @@ class Transport(abc.ABC):
     return None
 
 
+# How a gradient comes back to the host optimizer (`DeviceTransport.d2h`):
+#   cpu_backend  one `device_put` to the CPU backend.
+#   pinned_host  a `device_put` into the accelerator's pinned host memory, then a host
+#                copy into a CPU-backend array.
+# JAX users measured the first far below the link's rate on GPUs (jax issues 21438,
+# 36651); `experiments/gpu_check.py` times both, and a template output placed in
+# pinned host memory, so the choice per platform rests on a measurement.
+D2H_PATHS = ("auto", "cpu_backend", "pinned_host")
+
+
 class DeviceTransport(Transport):
   """Memory kinds on one accelerator; the host optimizer runs on the CPU backend."""
 
-  def __init__(self, device: jax.Device | None = None):
+  def __init__(self, device: jax.Device | None = None, d2h_path: str = "auto"):
+    """Finds the accelerator's memory kinds.
+
+    Args:
+      device: the accelerator (default: the first device).
+      d2h_path: how gradients come back, one of `D2H_PATHS`; "auto" is
+        "cpu_backend" (no copy at all on the CPU backend) until a GPU measurement
+        says otherwise.
+    """
+    if d2h_path not in D2H_PATHS:
+      raise ValueError(f"d2h_path={d2h_path!r} is not one of {D2H_PATHS}.")
     self.device = device or jax.devices()[0]
     self.host_device = jax.devices("cpu")[0]
     kinds = _memory_kinds(self.device)
@@ -146,6 +166,7 @@ class DeviceTransport(Transport):
     self.pinned = (SingleDeviceSharding(self.device, memory_kind="pinned_host")
                    if "pinned_host" in kinds else None)
     self.on_host = SingleDeviceSharding(self.host_device)
+    self.d2h_path = "cpu_backend" if d2h_path == "auto" or self.pinned is None else d2h_path
 
   def stage(self, host_array):
     if self.pinned is None or getattr(host_array.sharding, "memory_kind", None) == "pinned_host":
@@ -170,6 +191,9 @@ class DeviceTransport(Transport):
     if self.device == self.host_device:
       # CPU backend: `device` memory is host RAM already; no copy to make.
       return device_array.block_until_ready()
+    if self.d2h_path == "pinned_host":
+      pinned = jax.device_put(device_array, self.pinned).block_until_ready()
+      return jax.device_put(np.asarray(pinned), self.on_host).block_until_ready()
     return jax.device_put(device_array, self.on_host).block_until_ready()
 
   def offload(self, device_array):

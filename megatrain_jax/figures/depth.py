@@ -2,12 +2,16 @@
 
   python experiments/figures/depth.py --out_dir=figures   # a few minutes
 
-Predicted: a 7B-wide model (d=4096) from 28 to 180 layers on `h200`, batch 8 x 4096.
-Measured: a narrow model on this machine from 2 to 16 layers; the device peak stays
-flat because only a few layers are ever on the device.
+Predicted: a 7B-wide model (d=4096) from 28 to 180 layers on `h200`, batch 8 x 4096,
+with the activation checkpoints on the device and in host memory. Measured: a
+narrow model on this machine from 2 to 16 layers, both ways: the parameters on the
+device stay flat because only a few layers are ever there, and with the checkpoints
+in host memory so does the whole peak.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from megatrain_jax import planner
 from megatrain_jax.engine import EngineConfig
@@ -20,12 +24,13 @@ def rows(quick: bool) -> list[dict]:
   """Throughput and memory by layer count, predicted and measured.
 
   Predicted: the 7B shape from 28 to 180 layers on `h200` at 8 x 4096 tokens, bf16:
-  parameters, model TFLOPS, device, in-flight parameter and gradient, and host GB.
-  Measured: a d_model 128 model at 8 x 128 tokens: parameters, step time per layer,
-  model TFLOPS and device peak MB.
+  parameters, model TFLOPS, device, in-flight parameter and gradient, and host GB,
+  and the device GB with activations="host". Measured: a d_model 128 model at
+  8 x 128 tokens: parameters, step time per layer, model TFLOPS and device peak MB,
+  and the device peak MB with activations="host".
 
   Args:
-    quick: 2 and 4 measured layers instead of 2 to 16, one timed step instead of 3.
+    quick: 2 measured layers instead of 2 to 16, one timed step instead of 3.
 
   Returns:
     One row per point, with `source` "predicted" or "measured".
@@ -36,20 +41,29 @@ def rows(quick: bool) -> list[dict]:
   for layers in (28, 48, 64, 96, 128, 180):
     cfg = base.replace(n_layers=layers)
     p = planner.plan(cfg, adamw(1e-4), ec, planner.PROFILES["h200"], 8, 4096)
+    on_host = planner.plan(cfg, adamw(1e-4), dataclasses.replace(ec, activations="host"),
+                           planner.PROFILES["h200"], 8, 4096)
     out.append({"source": "predicted", "layers": layers, "params_b": p.params / 1e9,
+                "activations": p.activations,
+                "device_gb_host_activations": on_host.device["total"] / 1e9,
                 "tflops": p.model_tflops_per_s, "device_gb": p.device["total"] / 1e9,
                 "device_params_and_grads_gb": (p.device["params_in_flight"]
                                                + p.device["gradients_in_flight"]) / 1e9,
                 "host_gb": p.host["total"] / 1e9})
   small = LlamaConfig(vocab_size=260, d_model=128, n_layers=2, n_heads=4, n_kv_heads=2,
                       d_ff=384, max_seq_len=256)
-  for layers in ((2, 4) if quick else (2, 4, 8, 16)):
+  for layers in ((2,) if quick else (2, 4, 8, 16)):
     cfg = small.replace(n_layers=layers)
-    m = figures.measure_streaming(cfg, 8, 128, steps=1 if quick else 3)
+    m = figures.measure_streaming(cfg, 8, 128, EngineConfig(activations="device"),
+                                  steps=1 if quick else 3)
+    h = figures.measure_streaming(cfg, 8, 128, EngineConfig(activations="host"),
+                                  steps=1 if quick else 3)
     out.append({"source": "measured", "layers": layers, "params_b": m["params"] / 1e9,
                 "step_time_per_layer_s": m["step_time_s"] / layers,
                 "tflops": m["model_tflops_per_s"],
-                "device_peak_mb": m["device_peak_bytes"] / 1e6})
+                "device_peak_mb": m["device_peak_bytes"] / 1e6,
+                "step_time_per_layer_s_host_activations": h["step_time_s"] / layers,
+                "device_peak_mb_host_activations": h["device_peak_bytes"] / 1e6})
   return out
 
 
@@ -70,11 +84,15 @@ def draw(axes, rs) -> None:
   ax0b = ax0.twinx()
   ax0b.plot(*figures.points(rs, "layers", "device_gb", source="predicted"), "s--", color="g",
             label="predicted device GB")
+  ax0b.plot(*figures.points(rs, "layers", "device_gb_host_activations", source="predicted"),
+            "^:", color="m", label="predicted device GB, activations on host")
   ax0b.set_ylabel("device GB")
   ax0.legend(fontsize=7, loc="lower left")
   ax0b.legend(fontsize=7, loc="lower right")
   ax1.plot(*figures.points(rs, "layers", "device_peak_mb", source="measured"), "o-",
            label="measured device peak (MB)")
+  ax1.plot(*figures.points(rs, "layers", "device_peak_mb_host_activations",
+                           source="measured"), "^:", label="activations on host")
   ax1.set_xlabel("layers (d_model 128, this machine)")
   ax1.set_ylabel("MB")
   ax1.set_ylim(bottom=0)

@@ -1,11 +1,13 @@
 """Figure 5: sequence length 1K -> 512K for a 7B model on GH200: batch, step time, device memory.
 
-  python experiments/figures/seqlen.py --out_dir=figures   # about a minute
+  python experiments/figures/seqlen.py --out_dir=figures
 
-Predicted: for each length, the smallest checkpoint_every (1, 2, 4, 8, 16, 32) at
-which one sequence fits, then the largest batch at that setting, on `gh200`. Where
-nothing fits, the row says so. Measured: a tiny model on this machine from 64 to 1024
-tokens at a fixed 4K tokens per step.
+Predicted: for each length the planner's settings on `gh200` (`planner.fit_compute`:
+attention in blocks, cuDNN's kernel there, then the feed-forward in chunks, as each
+becomes needed; activation checkpoints in host memory when the device is short),
+and the largest batch under them. Where nothing fits, the row says so. Measured: one
+sequence per step of a tiny model on this machine, 512 to 8192 tokens, with
+blockwise attention, a chunked feed-forward and checkpoints in host memory.
 """
 
 from __future__ import annotations
@@ -22,12 +24,8 @@ K = 1024
 def rows(quick: bool) -> list[dict]:
   """Batch, step time and memory by sequence length, predicted and measured.
 
-  Predicted: 7B on `gh200` from 1K to 512K tokens, at the smallest checkpoint_every
-  at which one sequence fits and the largest batch there; a length where none fits
-  has fits False and no figures. Measured: the "tiny" preset at 4K tokens per step.
-
   Args:
-    quick: measured at 64 tokens only, instead of 64 to 1024, with one timed step
+    quick: measured at 512 tokens only, instead of 512 to 8192, with one timed step
       instead of 3.
 
   Returns:
@@ -35,23 +33,24 @@ def rows(quick: bool) -> list[dict]:
   """
   out = []
   hw = planner.PROFILES["gh200"]
+  ec = EngineConfig(compute_dtype="bfloat16")
   for seq in (1 * K, 4 * K, 16 * K, 64 * K, 128 * K, 256 * K, 512 * K):
     cfg = figures.PAPER_MODELS["7B"].replace(max_seq_len=seq)
-    row = {"source": "predicted", "seq_len": seq, "fits": False}
-    for every in (1, 2, 4, 8, 16, 32):
-      ec = EngineConfig(compute_dtype="bfloat16", checkpoint_every=every)
-      b = planner.largest_batch(cfg, ec, hw.device_bytes, seq, hw.flash_attention)
-      if b:
-        p = planner.plan(cfg, adamw(1e-4), ec, hw, b, seq)
-        row.update(fits=True, checkpoint_every=every, batch=b, step_time_s=p.step_s,
-                   tflops=p.model_tflops_per_s, device_gb=p.device["total"] / 1e9)
-        break
+    cfg = planner.fit_compute(cfg, ec, hw, 1, seq)
+    b = planner.largest_batch(cfg, ec, hw.device_bytes, seq, hw.flash_attention)
+    row = {"source": "predicted", "seq_len": seq, "fits": b > 0}
+    if b:
+      p = planner.plan(cfg, adamw(1e-4), ec, hw, b, seq)
+      row.update(batch=b, step_time_s=p.step_s, tflops=p.model_tflops_per_s,
+                 device_gb=p.device["total"] / 1e9, activations=p.activations,
+                 attention=p.attention, mlp_chunk=cfg.mlp_chunk or 0,
+                 host_checkpoint_gb=p.host["activation_checkpoints"] / 1e9)
     out.append(row)
-  cfg = preset("tiny").replace(max_seq_len=1024)
-  for seq in ((64,) if quick else (64, 128, 256, 512, 1024)):
-    b = max(4096 // seq, 1)
-    m = figures.measure_streaming(cfg, b, seq, steps=1 if quick else 3)
-    out.append({"source": "measured", "seq_len": seq, "batch": b,
+  cfg = preset("tiny").replace(max_seq_len=8 * K, attention_block=256, mlp_chunk=1024)
+  measured_ec = EngineConfig(activations="host")
+  for seq in ((512,) if quick else (512, 1 * K, 2 * K, 4 * K, 8 * K)):
+    m = figures.measure_streaming(cfg, 1, seq, measured_ec, steps=1 if quick else 3)
+    out.append({"source": "measured", "seq_len": seq, "batch": 1,
                 "step_time_s": m["step_time_s"], "tflops": m["model_tflops_per_s"],
                 "device_peak_mb": m["device_peak_bytes"] / 1e6})
   return out
@@ -81,8 +80,11 @@ def draw(axes, rs) -> None:
   ax1.set_xlabel("sequence length (7B, gh200)")
   ax1.legend(fontsize=7)
   ax2.plot(*figures.points(rs, "seq_len", "step_time_s", source="measured"), "o-",
-           label="measured step time (s), 4K tokens/step")
+           label="measured step time (s), 1 sequence/step")
+  ax2.plot(*figures.points(rs, "seq_len", "device_peak_mb", source="measured"), "s--",
+           label="measured device peak (MB)")
   ax2.set_xscale("log", base=2)
+  ax2.set_yscale("log")
   ax2.set_xlabel("sequence length (tiny, this machine)")
   ax2.legend(fontsize=7)
 

@@ -148,16 +148,18 @@ def abstract_units(cfg: LlamaConfig) -> tuple[Any, ...]:
     ShapeDtypeStruct trees of the embedding, each block and the head; blocks of
     one structure (dense or MoE) share one tree object.
   """
-  key = jax.random.key(0)
+  # The key is made inside each trace, so that nothing starts a JAX backend (a
+  # launcher sizes pinned host memory before the accelerator's client exists).
+  key = lambda: jax.random.key(0)
   kinds: dict[bool, Any] = {}
   blocks = []
   for i in range(cfg.n_layers):
     kind = cfg.layer_is_moe(i)
     if kind not in kinds:
-      kinds[kind] = jax.eval_shape(lambda kind=kind: init_block(cfg, key, kind))
+      kinds[kind] = jax.eval_shape(lambda kind=kind: init_block(cfg, key(), kind))
     blocks.append(kinds[kind])
-  return (jax.eval_shape(lambda: init_embed(cfg, key)), *blocks,
-          jax.eval_shape(lambda: init_head(cfg, key)))
+  return (jax.eval_shape(lambda: init_embed(cfg, key())), *blocks,
+          jax.eval_shape(lambda: init_head(cfg, key())))
 
 
 def assemble_units(units) -> Params:

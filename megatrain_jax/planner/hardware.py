@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.bench import timing
-from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
+from megatrain_jax.engine import EngineConfig, StreamingTrainer, platform
 from megatrain_jax.engine.host_optimizer import HostOptimizer
 from megatrain_jax.engine.transport import DeviceTransport
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
@@ -182,8 +182,8 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
   shared = dev.platform == "cpu"
   return Hardware(name=f"measured ({dev.device_kind})", layer_flops=tuple(points),
                   h2d_bytes_per_s=h2d, d2h_bytes_per_s=d2h, host_opt_bytes_per_s=host_opt,
-                  device_bytes=memory.accelerator_bytes() or memory.available_host_bytes(),
-                  host_bytes=memory.available_host_bytes(),
+                  device_bytes=platform.accelerator_bytes() or platform.available_host_bytes(),
+                  host_bytes=platform.available_host_bytes(),
                   peak_flops=max(f for _, f in points), shared=shared,
                   flash_attention=dev.platform != "cpu",
                   call_overhead_s=0.0, source="calibrated on this machine")

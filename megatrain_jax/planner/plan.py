@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax.engine import memory
+from megatrain_jax.engine import pinned as pinned_lib
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
 from megatrain_jax.models import layers
 from megatrain_jax.models.config import LlamaConfig
@@ -97,8 +98,31 @@ def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
   return out
 
 
-def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool = True
-                 ) -> dict[str, int]:
+def resolve(cfg: LlamaConfig, ec, batch_size: int, seq_len: int, device_bytes: int,
+            flash_attention: bool = True):
+  """`ec` with `activations="auto"` decided for a device of `device_bytes`: "host"
+  when the step with its checkpoints on the device, workspace included, would not
+  fit (`engine.memory.resolve_activations`).
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    device_bytes: the device memory.
+    flash_attention: the hardware has a fused attention kernel.
+
+  Returns:
+    The engine config, activations "device" or "host".
+  """
+  ws = workspace_bytes(cfg, ec, batch_size, seq_len, flash_attention)
+  where = memory.resolve_activations(cfg, ec, batch_size, seq_len, limit=device_bytes,
+                                     extra=ws)
+  return dataclasses.replace(ec, activations=where)
+
+
+def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool = True,
+                 device_bytes: int | None = None) -> dict[str, int]:
   """`engine.memory.device_bytes` plus the workspace of one layer, by kind.
 
   Args:
@@ -106,11 +130,16 @@ def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool =
     ec: the engine config.
     batch_size: sequences per step.
     seq_len: tokens per sequence.
-    flash_attention: attention is fused (see `workspace_bytes`).
+    flash_attention: the hardware has a fused attention kernel (see
+      `workspace_bytes`).
+    device_bytes: the device memory `activations="auto"` is decided for (`resolve`;
+      None: this process's budget or accelerator).
 
   Returns:
     Kind -> bytes, with "workspace" added and counted in "total".
   """
+  if device_bytes is not None:
+    ec = resolve(cfg, ec, batch_size, seq_len, device_bytes, flash_attention)
   dev = dict(memory.device_bytes(cfg, ec, batch_size, seq_len))
   dev["workspace"] = workspace_bytes(cfg, ec, batch_size, seq_len, flash_attention)
   dev["total"] += dev["workspace"]
@@ -128,7 +157,11 @@ class Plan:
   batch_size: int
   seq_len: int
   params: int
+  activations: str
+  attention: str
+  mlp_chunk: int | None
   host: dict[str, int]
+  pinned: dict[str, int]
   device: dict[str, int]
   device_peak: int
   fits: bool
@@ -150,8 +183,14 @@ class Plan:
     rows = [("hardware", self.hardware), ("parameters", f"{self.params / 1e9:.3f} B"),
             ("batch", f"{self.batch_size} x {self.seq_len} tokens"),
             ("fits", "yes" if self.fits else "NO"),
-            ("largest batch that fits", str(self.largest_batch))]
+            ("largest batch that fits", str(self.largest_batch)),
+            ("activation checkpoints wait on", self.activations),
+            ("attention kernel", self.attention),
+            ("feed-forward chunk", f"{self.mlp_chunk:,} tokens" if self.mlp_chunk
+             else "whole sequence")]
     rows += [(f"host: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.host.items()]
+    rows += [(f"pinned host: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.pinned.items()]
+    rows += [(f"{pinned_lib.ENV} (GPU)", str(pinned_lib.limit_for(self.pinned["total"])))]
     rows += [(f"device: {k}", f"{v / 2**30:,.3f} GiB") for k, v in self.device.items()]
     rows += [("device: predicted peak (ledger)", f"{self.device_peak / 2**30:,.3f} GiB")]
     rows += [(f"time: {k}", f"{v * 1e3:,.1f} ms") for k, v in self.times.items()]
@@ -189,6 +228,8 @@ def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
 
 def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, float]:
   tokens = batch_size * seq_len
+  # Checkpoints sent to host memory cross the link once each way per micro-batch.
+  moved = ec.grad_accum * memory.step_plan(cfg, ec, batch_size, seq_len).host_checkpoint_bytes
   recompute = recompute_flops_per_token(cfg, seq_len) * (1 if ec.checkpoint_every == 1 else 2)
   flops = (model_flops_per_token(cfg, seq_len) + recompute) * tokens
   per_micro_calls = 3 + cfg.n_layers * (3 if ec.checkpoint_every == 1 else 4)
@@ -196,8 +237,8 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
   return {
       "compute": flops / hw.flops_at(cfg.d_model)
                  + ec.grad_accum * per_micro_calls * hw.call_overhead_s,
-      "h2d": b["h2d"] / hw.h2d_bytes_per_s,
-      "d2h": b["d2h"] / hw.d2h_bytes_per_s,
+      "h2d": (b["h2d"] + moved) / hw.h2d_bytes_per_s,
+      "d2h": (b["d2h"] + moved) / hw.d2h_bytes_per_s,
       "host_opt": b["host_opt"] / hw.host_opt_bytes_per_s,
   }
 
@@ -219,8 +260,8 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
   Returns:
     The batch size, or 0.
   """
-  fits = lambda b: (device_total(cfg, ec, b, seq_len, flash_attention)["total"]
-                    <= device_bytes)
+  fits = lambda b: (device_total(cfg, ec, b, seq_len, flash_attention,
+                                device_bytes)["total"] <= device_bytes)
   step = ec.grad_accum
   if not fits(step):
     return 0
@@ -248,7 +289,12 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
   Returns:
     The plan.
   """
+  ec = resolve(cfg, ec, batch_size, seq_len, hw.device_bytes, hw.flash_attention)
   host = memory.host_bytes(cfg, optimizer, ec, on_cpu=hw.shared)
+  total = host.pop("total")
+  host["activation_checkpoints"] = memory.step_plan(cfg, ec, batch_size,
+                                                    seq_len).host_checkpoint_bytes
+  host["total"] = total + host["activation_checkpoints"]
   dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
   t = _times(cfg, ec, hw, batch_size, seq_len)
   sizes = memory.unit_sizes(cfg)
@@ -273,12 +319,46 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
   host_need = host["total"] + (dev["total"] if hw.shared else 0)
   return Plan(
       hardware=hw.name, batch_size=batch_size, seq_len=seq_len, params=sum(sizes),
-      host=host, device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
+      activations=ec.activations, host=host, mlp_chunk=cfg.mlp_chunk,
+      attention=layers.attention_kernel(cfg, ec.compute_dtype, False,
+                                        "gpu" if hw.flash_attention else "cpu"),
+      pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size, seq_len, on_cpu=hw.shared),
+      device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
       fits=host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes,
       largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention),
       times=t, step_s=step, bottleneck=bottleneck, break_even_tokens=break_even,
       tokens_per_s=tokens / step, model_tflops_per_s=model_flops / step / TB,
       mfu=model_flops / step / hw.peak_flops)
+
+
+# What a long sequence needs, tried in order when the model as given does not fit:
+# attention in blocks (cuDNN's fused kernel on a GPU in bf16), then the feed-forward
+# in chunks too. Each fills only settings the model leaves unset.
+LONG_CONTEXT = ({"attention_block": 1024}, {"attention_block": 1024, "mlp_chunk": 8192})
+
+
+def fit_compute(cfg: LlamaConfig, ec, hw: Hardware, batch_size: int, seq_len: int
+                ) -> LlamaConfig:
+  """The model with the first compute settings under which a step fits `hw`.
+
+  Args:
+    cfg: the model.
+    ec: the engine config (its `activations="auto"` is decided for each candidate).
+    hw: the hardware profile.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    `cfg` if it fits, else the first of `LONG_CONTEXT` applied to it that does
+    (the last one if none does).
+  """
+  candidates = [cfg] + [cfg.replace(**{k: v for k, v in c.items() if getattr(cfg, k) is None})
+                        for c in LONG_CONTEXT]
+  for c in candidates:
+    dev = device_total(c, ec, batch_size, seq_len, hw.flash_attention, hw.device_bytes)
+    if dev["total"] <= hw.device_bytes:
+      return c
+  return candidates[-1]
 
 
 def config_from_hf_json(path: str) -> LlamaConfig:
