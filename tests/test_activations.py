@@ -1,11 +1,16 @@
 """Activation checkpoints in host memory: the same step, a device peak flat in depth."""
 
+import dataclasses
+import threading
+import time
+
 import jax
 import numpy as np
 import optax
 import pytest
 
 import megatrain_jax as mt
+from megatrain_jax import planner
 from megatrain_jax.engine import memory
 from megatrain_jax.engine import transport as transport_lib
 
@@ -67,15 +72,47 @@ def test_auto_sends_them_to_the_host_when_the_device_is_too_small():
       eng.step(random_batch(cfg, 4, 64))
   losses, _, stats = _train(cfg, steps=2, device_budget_bytes=budget)
   assert stats["activations"] == "host" and stats["device_peak_bytes"] <= budget
+  # The planner decides the same for a device of that size.
+  hw = dataclasses.replace(planner.PROFILES["h100_pcie"], device_bytes=budget,
+                           flash_attention=False)
+  assert planner.plan(cfg, optax.sgd(0.1), mt.EngineConfig(), hw, 4, 64).activations == "host"
+  assert planner.plan(cfg, optax.sgd(0.1), mt.EngineConfig(), hw, 1, 64).activations == "device"
 
 
-class _BrokenOffload(transport_lib.DeviceTransport):
+class _Broken(transport_lib.DeviceTransport):
+  """The activation path fails on the way down (the last checkpoint sent, whose
+  copy nothing in the forward waits for), or on the way back up."""
+
+  def __init__(self, way):
+    super().__init__()
+    self.way, self.sent = way, 0
+
   def offload(self, device_array):
-    raise OSError("pinned host memory exhausted")
+    self.sent += 1
+    if self.way == "down" and self.sent == 2:
+      raise OSError("pinned host memory exhausted")
+    return super().offload(device_array)
+
+  def reload(self, host_array):
+    if self.way == "up":
+      raise OSError("the link went away")
+    return super().reload(host_array)
 
 
-def test_a_failed_transfer_is_raised_in_the_caller():
-  ec = mt.EngineConfig(activations="host", transport=_BrokenOffload(), timeout_s=30)
-  with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
-    with pytest.raises(OSError, match="pinned host memory exhausted"):
-      eng.step(random_batch(CFG, 4, 64))
+@pytest.mark.parametrize("way, message", [("down", "pinned host memory exhausted"),
+                                          ("up", "the link went away")])
+def test_a_failed_transfer_is_raised_in_the_caller_and_stops_the_thread(way, message):
+  ec = mt.EngineConfig(activations="host", transport=_Broken(way), timeout_s=10)
+  sent = []  # units whose gradient left the device
+  eng = mt.StreamingTrainer.from_config(CFG.replace(n_layers=3), optax.sgd(0.1), ec,
+                                        jax.random.key(0),
+                                        grad_hook=lambda u, g: sent.append(u) or g)
+  t0 = time.monotonic()
+  with pytest.raises(OSError, match=message):
+    eng.step(random_batch(CFG, 4, 64))
+  assert time.monotonic() - t0 < 10
+  if way == "down":  # raised before any gradient left: nothing was updated
+    assert sent == []
+  eng.close()
+  assert not any(t.name == "megatrain-activations" and t.is_alive()
+                 for t in threading.enumerate())

@@ -65,3 +65,21 @@ def test_left_unset_below_the_default(monkeypatch):
   monkeypatch.setattr(pinned, "_backends_started", lambda: False)
   assert pinned.configure({"total": 10 * GiB}) == 64 * GiB
   assert pinned.ENV not in os.environ
+
+
+def test_the_preflight_refuses_a_run_over_the_limit_on_a_gpu(monkeypatch):
+  import optax
+  from megatrain_jax.engine import preflight
+  monkeypatch.setattr(preflight, "on_gpu", lambda: True)  # the check applies on a GPU
+  monkeypatch.setenv(pinned.ENV, "1")
+  cfg = mt.preset("300m")  # 0.59 GiB of bf16 copies and 0.78 GiB of checkpoints
+  ec = mt.EngineConfig(compute_dtype="bfloat16", stream_copy="keep", activations="host")
+  with pytest.raises(ValueError) as e:
+    preflight.check_fits(cfg, optax.sgd(0.1), ec, 16, 1024, host_limit=2**50,
+                         device_limit=2**50)
+  text = str(e.value)
+  assert pinned.ENV in text and "stream_copies 0.59 GiB" in text
+  monkeypatch.setenv(pinned.ENV, "64")
+  plan = preflight.check_fits(cfg, optax.sgd(0.1), ec, 16, 1024, host_limit=2**50,
+                              device_limit=2**50)
+  assert plan["pinned"]["total"] == pinned.pinned_bytes(cfg, ec, 16, 1024)["total"]

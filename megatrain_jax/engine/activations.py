@@ -9,16 +9,20 @@ backward asks for each group's input one group ahead (`prefetch`), and the same
 thread brings it back (`Transport.reload`) while the group before computes.
 
 The last group's input is needed right after the head and never leaves the
-device. One thread moves both directions in the order asked, which is the order
-the step needs them. A failure on the thread is raised in the caller by the next
-`put` or `take`; a caller waits at most `timeout_s`.
+device. One daemon thread moves both directions in the order asked, which is the
+order the step needs them. A failure on the thread is raised in the caller by the
+next `put`, `flush` or `take`; a caller waits at most `timeout_s`. The step calls
+`flush` before its first gradient leaves, so a failed copy out is raised before
+anything is updated. A transfer that never ends cannot keep the process from
+exiting, and once closed the thread no longer touches the ledger.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import queue
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 
@@ -38,13 +42,44 @@ class HostActivations:
       timeout_s: the longest a caller waits for a transfer.
     """
     self._tp, self._ledger, self._timeout = transport, ledger, timeout_s
-    self._pool = concurrent.futures.ThreadPoolExecutor(1, "megatrain-activations")
+    self._jobs: queue.Queue = queue.Queue()
+    self._closed = False
     self._out: dict[Any, concurrent.futures.Future] = {}
     self._in: dict[Any, concurrent.futures.Future] = {}
     self.bytes_moved = {"d2h": 0, "h2d": 0}
     self._lock = threading.Lock()
     self._held: dict[Any, int] = {}  # checkpoints in host memory, by key
     self.host_peak_bytes = 0
+    self._thread = threading.Thread(target=self._run, name="megatrain-activations",
+                                    daemon=True)
+    self._thread.start()
+
+  def _run(self) -> None:
+    while True:
+      job = self._jobs.get()
+      if job is None:
+        return
+      future, fn, args = job
+      if not future.set_running_or_notify_cancel():
+        continue
+      try:
+        future.set_result(fn(*args))
+      except BaseException as e:  # pylint: disable=broad-except
+        future.set_exception(e)
+
+  def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    self._jobs.put((future, fn, args))
+    return future
+
+  def _count(self, key, nbytes: int | None) -> None:
+    """The ledger's entry for a checkpoint on the device (None: not there)."""
+    if self._closed:  # a transfer that outlived the runtime changes nothing
+      return
+    if nbytes is None:
+      self._ledger.remove(("ckpt", key))
+    else:
+      self._ledger.add(("ckpt", key), nbytes)
 
   def _hold(self, key, nbytes: int | None) -> None:
     with self._lock:
@@ -61,11 +96,12 @@ class HostActivations:
       self._hold(key, host.nbytes)
       return host
     finally:
-      self._ledger.remove(("ckpt", key))  # the device buffer is free (or lost)
+      del x
+      self._count(key, None)  # the device buffer is free (or lost)
 
   def _bring(self, key, out: concurrent.futures.Future) -> jax.Array:
     host = out.result()
-    self._ledger.add(("ckpt", key), host.nbytes)
+    self._count(key, host.nbytes)
     x = self._tp.reload(host)
     self.bytes_moved["h2d"] += x.nbytes
     self._hold(key, None)
@@ -91,10 +127,18 @@ class HostActivations:
     Raises:
       What the earlier transfer met; TimeoutError if it takes over `timeout_s`.
     """
+    self.flush()
+    self._count(key, x.nbytes)
+    self._out[key] = self._submit(self._send, key, x)
+
+  def flush(self) -> None:
+    """Waits until every checkpoint sent has arrived in host memory.
+
+    Raises:
+      What a transfer met; TimeoutError if one takes over `timeout_s`.
+    """
     for k, f in list(self._out.items()):
       self._wait(f, f"the activation checkpoint of layer {k}")
-    self._ledger.add(("ckpt", key), x.nbytes)
-    self._out[key] = self._pool.submit(self._send, key, x)
 
   def prefetch(self, key) -> None:
     """Starts bringing a checkpoint back to the device (after it has left).
@@ -103,7 +147,7 @@ class HostActivations:
       key: a key given to `put`.
     """
     if key in self._out and key not in self._in:
-      self._in[key] = self._pool.submit(self._bring, key, self._out[key])
+      self._in[key] = self._submit(self._bring, key, self._out[key])
 
   def take(self, key) -> jax.Array:
     """A checkpoint back on the device (fetched now if `prefetch` did not ask).
@@ -123,17 +167,15 @@ class HostActivations:
     self._out.pop(key, None)
     return x
 
-  def reset(self) -> None:
-    """Forgets the checkpoints of a micro-batch that ended early (an error): their
-    transfers finish or fail on the thread, and nothing waits for them."""
+  def close(self) -> None:
+    """Stops the thread (waiting for it at most `timeout_s`); transfers not started
+    are dropped, and the ledger forgets the checkpoints."""
     for key in set(self._out) | set(self._in):
-      self._ledger.remove(("ckpt", key))
-    with self._lock:
-      self._held.clear()
+      self._count(key, None)
+    self._closed = True
+    for f in [*self._out.values(), *self._in.values()]:
+      f.cancel()
     self._out.clear()
     self._in.clear()
-
-  def close(self) -> None:
-    """Stops the thread; transfers not started are dropped."""
-    self.reset()
-    self._pool.shutdown(wait=False, cancel_futures=True)
+    self._jobs.put(None)
+    self._thread.join(self._timeout)

@@ -25,6 +25,7 @@ from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
 # worked on and the one moving (out during the forward, in ahead of the backward).
 HOST_CHECKPOINTS_ON_DEVICE = 2
 from megatrain_jax.engine.probe import resolve_for_config
+from megatrain_jax.engine import workspace
 from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
@@ -352,11 +353,11 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
 
 
 def resolve_activations(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int,
-                        limit: int | None = None, extra: int = 0) -> str:
+                        limit: int | None = None, platform: str | None = None) -> str:
   """Where `ec.activations` puts the checkpoints for this shape: "device" or "host".
 
-  "auto" is "host" when the step with its checkpoints on the device, plus `extra`
-  bytes, would pass `limit`; and "device" when it fits or there is no limit.
+  "auto" is "host" when the step with its checkpoints on the device (`device_bytes`)
+  would pass `limit`; and "device" when it fits or there is no limit.
 
   Args:
     cfg: the model.
@@ -364,7 +365,7 @@ def resolve_activations(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq
     batch_size: sequences per step.
     seq_len: tokens per sequence.
     limit: the device bytes available (default: the budget, else the accelerator's).
-    extra: bytes to count beyond the ledger's (the planner's workspace).
+    platform: as `device_bytes`.
 
   Returns:
     "device" or "host".
@@ -375,7 +376,7 @@ def resolve_activations(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq
   if limit is None:
     return "device"
   on_device = dataclasses.replace(ec, activations="device", transport=None)
-  need = device_bytes(cfg, on_device, batch_size, seq_len)["total"] + extra
+  need = device_bytes(cfg, on_device, batch_size, seq_len, platform)["total"]
   return "device" if need <= limit else "host"
 
 
@@ -406,16 +407,19 @@ def _step_plan(cfg, ec, batch_size, seq_len) -> StepPlan:
 
 
 def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
-                 seq_len: int) -> dict[str, int]:
+                 seq_len: int, platform: str | None = None) -> dict[str, int]:
   """Device bytes of a step on batches of this shape, by kind, and their total:
   the ledger's peak (`step_plan`) plus one chunk of fp32 logits with its gradient,
-  which lives inside the head's call.
+  which lives inside the head's call, and one layer's backward scratch
+  (`workspace.workspace_bytes`).
 
   Args:
     cfg: the model.
     ec: the engine config.
     batch_size: sequences per step.
     seq_len: tokens per sequence.
+    platform: the platform the attention kernel is chosen for (None: this
+      process's).
 
   Returns:
     Bytes by kind and "total".
@@ -425,6 +429,7 @@ def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   b = batch_size // ec.grad_accum
   chunk = ec.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size, b * seq_len)
   out["logits_chunk"] = 2 * min(chunk, b * seq_len) * cfg.vocab_size * 4
+  out["workspace"] = workspace.workspace_bytes(cfg, ec, batch_size, seq_len, platform)
   out["total"] = sum(out.values())
   return out
 

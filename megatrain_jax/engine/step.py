@@ -81,8 +81,6 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   ckpts, starts, router = {}, {s for s, _ in schedule.groups}, []
   offload = rt.activations if host_checkpoints else None
   last_start = schedule.groups[-1][0] if schedule.groups else None
-  if offload is not None:
-    offload.reset()  # what a micro-batch that failed may have left
   for i in range(schedule.n_layers):
     if i in starts and offload is not None and i != last_start:
       offload.put(i, x)  # counted in the ledger until it has left the device
@@ -98,6 +96,8 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   p = None  # a released buffer must not stay alive through the backward
   aux_sum, g_probs = _load_balancing(tpl.cfg, router, ids.size, scale)
 
+  if offload is not None:
+    offload.flush()  # a failed copy out is raised before any gradient leaves
   p_h, key_h = get(schedule.head)
   p_e, key_e = get(schedule.embed) if schedule.tied else (None, None)
   loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, x, labels, mask, scale)

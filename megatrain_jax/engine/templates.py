@@ -67,6 +67,9 @@ class Templates:
       loss_chunk_tokens: tokens per chunk of logits (None: the loss's default).
     """
     self._counts: dict[str, int] = {}
+    self._scratch: dict[tuple, dict[str, int]] = {}
+    self._last_shape: tuple | None = None  # (x's shape, dtype, packed) of the last block
+    self._specs = (embed, head)
     self.cfg = cfg
     # An MoE layer's router gradient when no load-balancing loss is trained.
     self._no_g_probs = jnp.zeros((cfg.n_experts,), jnp.float32) if cfg.n_experts else None
@@ -126,6 +129,7 @@ class Templates:
     Returns:
       (its output, its `moe.RouterStats` or None for a dense layer).
     """
+    self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
     return self._block_fwd(flat, x, positions, segment_ids, *self._kinds[layer])
 
   def block_bwd(self, flat: jax.Array, x: jax.Array, g: jax.Array, layer: int,
@@ -171,6 +175,56 @@ class Templates:
             .memory_analysis(),
             "block_bwd": self._block_bwd.lower(flat, x, x, g_probs, None, None, *kind)
             .compile().memory_analysis()}
+
+  def stats(self, device_peak_bytes: int) -> dict[str, Any]:
+    """The compile counts, and XLA's scratch inside each template for the last batch
+    shape a block ran on (`memory_analysis().temp_size_in_bytes` of the compiled call,
+    compiled once more per shape, when asked): what the ledger does not see.
+
+    Args:
+      device_peak_bytes: the ledger's peak, to which the largest scratch is added.
+
+    Returns:
+      {"compiles", "template_scratch_bytes": {template: bytes} (the largest over the
+      layer structures), "device_peak_with_scratch_bytes"}; the last two are empty
+      and None before a step.
+    """
+    out = {"compiles": self.compiles, "template_scratch_bytes": {},
+           "device_peak_with_scratch_bytes": None}
+    if self._last_shape is not None:
+      if self._last_shape not in self._scratch:
+        self._scratch[self._last_shape] = self._scratch_of(*self._last_shape)
+      scratch = self._scratch[self._last_shape]
+      out["template_scratch_bytes"] = scratch
+      out["device_peak_with_scratch_bytes"] = device_peak_bytes + max(scratch.values())
+    return out
+
+  def _scratch_of(self, shape, dtype, packed_pos: bool, packed_seg: bool) -> dict[str, int]:
+    S = jax.ShapeDtypeStruct
+    b, t, _ = shape
+    x, ids = S(shape, dtype), S((b, t), jnp.int32)
+    pos, seg = (ids if packed_pos else None), (ids if packed_seg else None)
+    embed, head = self._specs
+    temp = lambda fn, *args: int(fn.lower(*args).compile().memory_analysis()
+                                 .temp_size_in_bytes)
+    out = {"embed_fwd": temp(self.embed_fwd, S((embed.size,), dtype), ids),
+           "embed_bwd": temp(self.embed_bwd, ids, x, S((embed.size,), dtype)
+                             if self.cfg.tie_embeddings else None)}
+    flat_e = S((embed.size,), dtype) if self.cfg.tie_embeddings else None
+    out["head"] = temp(self.head, S((head.size,), dtype), flat_e, x, ids,
+                       S((b, t), jnp.float32), S((), jnp.float32))
+    for layer, (spec, window) in enumerate(self._kinds):
+      if (spec, window) in self._kinds[:layer]:
+        continue  # one structure, one template
+      flat = S((spec.size,), dtype)
+      g_probs = (S((self.cfg.n_experts,), jnp.float32) if self.cfg.layer_is_moe(layer)
+                 else None)
+      out["block_fwd"] = max(out.get("block_fwd", 0),
+                             temp(self._block_fwd, flat, x, pos, seg, spec, window))
+      out["block_bwd"] = max(out.get("block_bwd", 0),
+                             temp(self._block_bwd, flat, x, x, g_probs, pos, seg, spec,
+                                  window))
+    return out
 
   def _counted(self, name: str, fn):
     def traced(*args):

@@ -343,8 +343,8 @@ class StreamingTrainer:
     Returns:
       Counters by name (docs/engine.md lists each).
     """
+    rt = self._rt.stats()
     return {"steps": self._steps, "skipped_steps": self._health.skipped,
-            "compiles": self.templates.compiles,
+            **self.templates.stats(rt["device_peak_bytes"]), **rt,
             "layer_bytes": max(memory.unit_param_bytes(self.cfg, self.config)[1:-1],
-                               default=0),
-            **self._rt.stats()}
+                               default=0)}

@@ -24,6 +24,7 @@ import optax
 
 from megatrain_jax.engine import memory
 from megatrain_jax.engine import pinned as pinned_lib
+from megatrain_jax.engine import workspace
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
 from megatrain_jax.models import layers
 from megatrain_jax.models.config import LlamaConfig
@@ -54,48 +55,23 @@ def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> int:
 
 def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
                     flash_attention: bool) -> int:
-  """XLA's scratch inside one layer's backward template (estimated), following the
-  kernels that run (`models.layers.attention_kernel`): the values the vjp keeps and
-  their cotangents, in the compute dtype: the attention norm's output, q, k, v and
-  the attention output for every token, and the feed-forward's norm output and
-  three d_ff-wide intermediates for every token, or for one chunk of
-  `cfg.mlp_chunk` tokens (an MoE layer: its k routed copies of each token with
-  their expert intermediates, router probabilities and shared expert). Attention
-  adds, by kernel: "xla" the [T, T] probabilities and their gradient in fp32;
-  "blockwise" fp32 gradients of q, k and v and one block pair's scores; "cudnn"
-  each row's softmax statistics.
+  """One layer's scratch inside its backward template (`engine.workspace`).
 
   Args:
     cfg: the model.
-    ec: the engine config (compute dtype, grad_accum).
-    batch_size: sequences per step; a micro-batch is batch_size // grad_accum.
+    ec: the engine config.
+    batch_size: sequences per step.
     seq_len: tokens per sequence.
     flash_attention: the hardware has cuDNN's fused attention (a GPU).
 
   Returns:
     The estimate, in bytes.
   """
-  cd = jnp.dtype(ec.compute_dtype).itemsize
-  b = batch_size // ec.grad_accum
-  tokens = b * seq_len
-  q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-  mlp_tokens = min(tokens, cfg.mlp_chunk or tokens)
-  mlp = (cfg.d_model + 3 * cfg.d_ff) * mlp_tokens
-  if cfg.n_experts:  # k routed copies of each token: rows, 3 expert intermediates, out
-    moe = (cfg.n_experts_per_tok * (2 * cfg.d_model + 3 * cfg.expert_d_ff) + cfg.n_experts
-           + 3 * (cfg.shared_expert_d_ff or 0) + cfg.d_model) * tokens
-    mlp = max(moe, mlp if not all(map(cfg.layer_is_moe, range(cfg.n_layers))) else 0)
-  out = 2 * (tokens * (cfg.d_model + 2 * q + 2 * kv) + mlp) * cd
-  kernel = layers.attention_kernel(cfg, ec.compute_dtype, False,
-                                   "gpu" if flash_attention else "cpu")
-  if kernel == "xla":
-    out += 2 * b * cfg.n_heads * seq_len * seq_len * 4
-  elif kernel == "blockwise":
-    block = min(cfg.attention_block, seq_len)
-    out += tokens * (q + 2 * kv) * 4 + 4 * b * cfg.n_heads * block * block * 4
-  else:
-    out += b * cfg.n_heads * seq_len * 4
-  return out
+  return workspace.workspace_bytes(cfg, ec, batch_size, seq_len, _platform(flash_attention))
+
+
+def _platform(flash_attention: bool) -> str:
+  return "gpu" if flash_attention else "cpu"
 
 
 def resolve(cfg: LlamaConfig, ec, batch_size: int, seq_len: int, device_bytes: int,
@@ -115,15 +91,15 @@ def resolve(cfg: LlamaConfig, ec, batch_size: int, seq_len: int, device_bytes: i
   Returns:
     The engine config, activations "device" or "host".
   """
-  ws = workspace_bytes(cfg, ec, batch_size, seq_len, flash_attention)
   where = memory.resolve_activations(cfg, ec, batch_size, seq_len, limit=device_bytes,
-                                     extra=ws)
+                                     platform=_platform(flash_attention))
   return dataclasses.replace(ec, activations=where)
 
 
 def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool = True,
                  device_bytes: int | None = None) -> dict[str, int]:
-  """`engine.memory.device_bytes` plus the workspace of one layer, by kind.
+  """`engine.memory.device_bytes` on this hardware, by kind (the workspace of one
+  layer included).
 
   Args:
     cfg: the model.
@@ -136,14 +112,11 @@ def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool =
       None: this process's budget or accelerator).
 
   Returns:
-    Kind -> bytes, with "workspace" added and counted in "total".
+    Kind -> bytes, and "total".
   """
   if device_bytes is not None:
     ec = resolve(cfg, ec, batch_size, seq_len, device_bytes, flash_attention)
-  dev = dict(memory.device_bytes(cfg, ec, batch_size, seq_len))
-  dev["workspace"] = workspace_bytes(cfg, ec, batch_size, seq_len, flash_attention)
-  dev["total"] += dev["workspace"]
-  return dev
+  return dict(memory.device_bytes(cfg, ec, batch_size, seq_len, _platform(flash_attention)))
 
 
 # -----------------------------------------------------------------------------
