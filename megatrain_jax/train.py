@@ -375,9 +375,11 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
   if tc.batch_size == "auto":
     tc = dataclasses.replace(tc, batch_size=auto_batch_size(tc, cfg))
   dataset = make_dataset(tc, cfg)
-  logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens; engine=%s.",
+  logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens%s; engine=%s.",
                tc.hf_model_dir or (tc.model if isinstance(tc.model, str) else "custom"),
-               cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len, tc.engine)
+               cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len,
+               "" if dataset.non_padding is None else
+               f", packed to {100 * dataset.non_padding:.1f}% non-padding tokens", tc.engine)
   preflight(tc, cfg)
   os.makedirs(tc.workdir, exist_ok=True)
   trainer = make_trainer(tc, cfg)
@@ -461,6 +463,8 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
                   "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12}
         if isinstance(trainer, StreamingTrainer):
           record["skipped_steps"] = trainer.stats()["skipped_steps"]
+        if dataset.non_padding is not None:
+          record["data_non_padding"] = dataset.non_padding
         writer.write(record)
         logging.info("step %d  loss %.4f  %.0f tok/s", step, m["loss"],
                      record["tokens_per_s"])

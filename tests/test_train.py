@@ -86,6 +86,15 @@ def test_pack_defaults_on_for_instruction_data(tmp_path, fmt, pack, packed):
     assert batch["segment_ids"].max() > 1  # several documents in a row
 
 
+def test_the_bundled_chat_sample_packs_to_over_90_percent(tmp_path, caplog):
+  caplog.set_level("INFO")
+  records = train_lib.run(train_lib.TrainConfig(
+      workdir=str(tmp_path), data="chat_sample", data_format="sharegpt", seq_len=511,
+      batch_size=2, steps=1, save_every=0, progress=False, attention_block=128))
+  assert records[0]["data_non_padding"] >= 0.9
+  assert f"packed to {100 * records[0]['data_non_padding']:.1f}% non-padding" in caplog.text
+
+
 def test_config_validation_in_library():
   with pytest.raises(ValueError, match="engine"):
     train_lib.TrainConfig(engine="gpu-magic").validate()

@@ -85,6 +85,12 @@ class PackedDataset:
     self.position = DataPosition()
 
   @property
+  def non_padding(self) -> float | None:
+    """The share of tokens that belong to a document (segment id > 0), when the
+    windows are packed with segment ids; None otherwise."""
+    return None if self.segments is None else float(np.mean(self.segments != 0))
+
+  @property
   def batches_per_epoch(self) -> int:
     return len(self.windows) // self.batch_size
 

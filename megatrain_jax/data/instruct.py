@@ -18,6 +18,7 @@ several conversations share a sequence, kept apart by segment ids
 from __future__ import annotations
 
 import json
+import os
 from typing import Any, Sequence
 
 import numpy as np
@@ -27,6 +28,11 @@ from megatrain_jax.data.packing import pack_rows
 from megatrain_jax.data.tokenizer import Message
 
 INSTRUCT_FORMATS = ("alpaca", "sharegpt")
+# The bundled sample (`experiments/make_chat_sample.py`): sharegpt conversations about
+# the Python standard library, read by the name "chat_sample".
+CHAT_SAMPLE = "chat_sample"
+CHAT_SAMPLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "chat_sample.jsonl")
 OVERLONG = ("truncate", "drop")
 _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant",
                    "assistant": "assistant", "system": "system", "chatgpt": "assistant",
@@ -99,7 +105,8 @@ def read_conversations(paths: Sequence[str] | str, fmt: str) -> list[list[Messag
   """Conversations from alpaca or sharegpt files (JSON list or JSONL).
 
   Args:
-    paths: the files; a string may list several, comma-separated.
+    paths: the files; a string may list several, comma-separated; "chat_sample"
+      is the bundled sample (sharegpt).
     fmt: the record format, one of `INSTRUCT_FORMATS`.
 
   Returns:
@@ -113,6 +120,7 @@ def read_conversations(paths: Sequence[str] | str, fmt: str) -> list[list[Messag
     raise ValueError(f"Instruction format {fmt!r} is not one of {INSTRUCT_FORMATS}.")
   if isinstance(paths, str):
     paths = [p.strip() for p in paths.split(",") if p.strip()]
+  paths = [CHAT_SAMPLE_PATH if p == CHAT_SAMPLE else p for p in paths]
   parse = _alpaca if fmt == "alpaca" else _sharegpt
   out = []
   for path in paths:
@@ -176,7 +184,8 @@ def build_sequences(conversations: Sequence[Sequence[Message]], tokenizer, seq_l
                     overlong: str = "truncate", pack: bool = False):
   """Training rows of `seq_len + 1` tokens: one conversation per row, padded with
   the tokenizer's pad id (mask 0), or with `pack` as many whole conversations per
-  row as fit, numbered by segment ids (`data.packing.pack_rows`). A conversation
+  row as fit, numbered by segment ids (`data.packing.pack_rows`); the share of
+  non-padding tokens is logged. A conversation
   longer than a row is truncated or dropped (`overlong`); one left with no trained
   token is dropped. Both counts are logged.
 

@@ -19,8 +19,8 @@ import numpy as np
 
 def pack_rows(examples: Sequence[tuple[Sequence[int], Sequence[float]]], n: int,
               pad_id: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Places examples into rows of `n` tokens, each in the fullest row it fits
-  (best fit, in the given order), and pads the rest.
+  """Places examples into rows of `n` tokens, longest first, each in the fullest
+  row it fits (best-fit decreasing), and pads the rest.
 
   Args:
     examples: (token ids, loss mask) per example, each at most `n` long.
@@ -29,14 +29,16 @@ def pack_rows(examples: Sequence[tuple[Sequence[int], Sequence[float]]], n: int,
 
   Returns:
     (tokens int32 [R, n], mask float32 [R, n], segment ids int32 [R, n]); the
-    examples of a row are segments 1, 2, ... in the order they were placed.
+    examples of a row are segments 1, 2, ... in the order they were placed (ties
+    in length keep the given order, so the result is deterministic).
 
   Raises:
     ValueError: an example longer than a row.
   """
   rows: list[list[int]] = []
   free: list[tuple[int, int]] = []  # (room left, row), sorted
-  for k, (ids, _) in enumerate(examples):
+  for k in sorted(range(len(examples)), key=lambda k: -len(examples[k][0])):
+    ids = examples[k][0]
     if len(ids) > n:
       raise ValueError(f"Example {k} has {len(ids)} tokens, more than a row's {n}.")
     at = bisect.bisect_left(free, (len(ids), -1))
