@@ -176,28 +176,35 @@ class Templates:
             "block_bwd": self._block_bwd.lower(flat, x, x, g_probs, None, None, *kind)
             .compile().memory_analysis()}
 
+  def measure_scratch(self) -> dict[str, int]:
+    """XLA's scratch inside each template for the last batch shape a block ran on:
+    `memory_analysis().temp_size_in_bytes` of each compiled call, what the ledger
+    does not see. Each template is compiled once more per shape (seconds), so this
+    runs only when asked; `stats` reports the last result.
+
+    Returns:
+      {template: bytes}, the largest over the layer structures; {} before a step.
+    """
+    if self._last_shape is None:
+      return {}
+    if self._last_shape not in self._scratch:
+      self._scratch[self._last_shape] = self._scratch_of(*self._last_shape)
+    return self._scratch[self._last_shape]
+
   def stats(self, device_peak_bytes: int) -> dict[str, Any]:
-    """The compile counts, and XLA's scratch inside each template for the last batch
-    shape a block ran on (`memory_analysis().temp_size_in_bytes` of the compiled call,
-    compiled once more per shape, when asked): what the ledger does not see.
+    """The compile counts, and the scratch `measure_scratch` measured last.
 
     Args:
       device_peak_bytes: the ledger's peak, to which the largest scratch is added.
 
     Returns:
-      {"compiles", "template_scratch_bytes": {template: bytes} (the largest over the
-      layer structures), "device_peak_with_scratch_bytes"}; the last two are empty
-      and None before a step.
+      {"compiles", "template_scratch_bytes" ({} until measured for the last batch
+      shape), "device_peak_with_scratch_bytes" (None until then)}.
     """
-    out = {"compiles": self.compiles, "template_scratch_bytes": {},
-           "device_peak_with_scratch_bytes": None}
-    if self._last_shape is not None:
-      if self._last_shape not in self._scratch:
-        self._scratch[self._last_shape] = self._scratch_of(*self._last_shape)
-      scratch = self._scratch[self._last_shape]
-      out["template_scratch_bytes"] = scratch
-      out["device_peak_with_scratch_bytes"] = device_peak_bytes + max(scratch.values())
-    return out
+    scratch = self._scratch.get(self._last_shape, {})
+    return {"compiles": self.compiles, "template_scratch_bytes": scratch,
+            "device_peak_with_scratch_bytes":
+                device_peak_bytes + max(scratch.values()) if scratch else None}
 
   def _scratch_of(self, shape, dtype, packed_pos: bool, packed_seg: bool) -> dict[str, int]:
     S = jax.ShapeDtypeStruct
