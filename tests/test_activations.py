@@ -32,8 +32,8 @@ def _train(cfg, steps=3, **kw):
                          ids=["every_layer", "groups_accum"])
 def test_host_checkpoints_give_the_same_step_bit_for_bit(kw):
   cfg = CFG.replace(n_layers=5)
-  want_losses, want, _ = _train(cfg, activations="device", **kw)
-  got_losses, got, stats = _train(cfg, activations="host", **kw)
+  want_losses, want, _ = _train(cfg, steps=2, activations="device", **kw)
+  got_losses, got, stats = _train(cfg, steps=2, activations="host", **kw)
   assert got_losses == want_losses
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
@@ -41,7 +41,7 @@ def test_host_checkpoints_give_the_same_step_bit_for_bit(kw):
   groups = -(-5 // kw["checkpoint_every"])
   act = 4 // kw.get("grad_accum", 1) * 64 * cfg.d_model * 4
   # All but the last group's input went out and came back, every micro-batch.
-  moved = 3 * kw.get("grad_accum", 1) * (groups - 1) * act
+  moved = 2 * kw.get("grad_accum", 1) * (groups - 1) * act
   assert stats["activation_bytes_moved"] == {"d2h": moved, "h2d": moved}
   assert stats["host_activation_peak_bytes"] == (groups - 1) * act
 
@@ -51,7 +51,7 @@ def test_the_device_peak_is_flat_in_depth():
   peaks = {}
   for where in ("device", "host"):
     for n in (4, 10):
-      peaks[where, n] = _train(CFG.replace(n_layers=n), steps=2, activations=where)[2][
+      peaks[where, n] = _train(CFG.replace(n_layers=n), steps=1, activations=where)[2][
           "device_peak_bytes"]
   assert peaks["device", 10] - peaks["device", 4] >= 5 * act  # one checkpoint per layer
   assert abs(peaks["host", 10] - peaks["host", 4]) < act
