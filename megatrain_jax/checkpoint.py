@@ -103,7 +103,7 @@ class CheckpointManager:
   def __init__(self, directory: str, keep: int = 2):
     if keep < 1:
       raise ValueError(f"keep must be at least 1, got {keep}.")
-    self.directory = directory
+    self.directory = os.path.abspath(directory)  # Orbax takes absolute paths only
     self.keep = keep
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None

@@ -115,14 +115,16 @@ def test_save_is_a_snapshot_while_training_goes_on(tmp_path, monkeypatch):
     assert _same_params(b.params(), at_save)
 
 
-def test_keeps_the_last_n(tmp_path):
+def test_keeps_the_last_n(tmp_path, monkeypatch):
+  monkeypatch.chdir(tmp_path)  # a relative directory, as the launcher's default workdir
   with _streaming(optax.sgd(0.1)) as a:
-    mgr = ckpt_lib.CheckpointManager(str(tmp_path), keep=2)
+    mgr = ckpt_lib.CheckpointManager("checkpoints", keep=2)
     for b in _batches(4):
       a.step(b)
       mgr.save(a, SETTINGS)
     mgr.wait()
   assert mgr.steps() == [3, 4]
+  assert os.path.isdir(tmp_path / "checkpoints" / "step_00000004")
 
 
 def test_config_mismatch_names_the_fields(tmp_path):
