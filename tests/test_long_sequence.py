@@ -5,7 +5,7 @@ import optax
 import pytest
 
 import megatrain_jax as mt
-from megatrain_jax.engine import memory
+from megatrain_jax.engine import memory, preflight
 
 from conftest import random_batch
 
@@ -20,19 +20,18 @@ def test_scratch_is_counted_and_the_peak_is_linear_in_the_length():
   ec = mt.EngineConfig(activations="host", device_budget_bytes=BUDGET)
   # The full-matrix path needs the [T, T] scores (8.6 GB at 32K): the budget refuses it.
   assert memory.device_bytes(BASE, ec, 1, 32768)["total"] > 100 * BUDGET
-  with mt.StreamingTrainer.from_config(BASE, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
-    with pytest.raises(ValueError, match="over the device limit"):
-      eng.step(random_batch(BASE, 1, 32768))
+  with pytest.raises(ValueError, match="over the device limit"):
+    preflight.check_step(BASE, ec, random_batch(BASE, 1, 32768))  # what step() runs first
   peaks = {}
-  for t in (2048, 32768):
-    with mt.StreamingTrainer.from_config(LONG, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+  with mt.StreamingTrainer.from_config(LONG, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    for t in (2048, 32768):
       eng.step(random_batch(LONG, 1, t))
       assert eng.stats()["template_scratch_bytes"] == {}  # measured only when asked
       eng.templates.measure_scratch()
       stats = eng.stats()
-    scratch = stats["template_scratch_bytes"]
-    assert scratch["block_bwd"] > 0 and scratch["head"] > 0
-    peaks[t] = stats["device_peak_with_scratch_bytes"]
-    assert peaks[t] == stats["device_peak_bytes"] + max(scratch.values())
-    assert peaks[t] <= BUDGET
+      scratch = stats["template_scratch_bytes"]
+      assert scratch["block_bwd"] > 0 and scratch["head"] > 0
+      peaks[t] = stats["device_peak_with_scratch_bytes"]
+      assert peaks[t] == stats["device_peak_bytes"] + max(scratch.values())
+      assert peaks[t] <= BUDGET
   assert peaks[32768] <= 10 * peaks[2048]  # 16x the tokens
