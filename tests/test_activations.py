@@ -20,9 +20,10 @@ from conftest import TINY, random_batch
 CFG = TINY.replace(max_seq_len=64)
 
 
-def _train(cfg, steps=3, **kw):
+def _train(cfg, steps=3, grad_hook=None, **kw):
   ec = mt.EngineConfig(**kw)
-  with mt.StreamingTrainer.from_config(cfg, optax.adamw(1e-2), ec, jax.random.key(0)) as eng:
+  with mt.StreamingTrainer.from_config(cfg, optax.adamw(1e-2), ec, jax.random.key(0),
+                                       grad_hook=grad_hook) as eng:
     losses = [eng.step(random_batch(cfg, 4, 64, seed=s))["loss"] for s in range(steps)]
     return losses, eng.params(), eng.stats()
 
@@ -32,8 +33,16 @@ def _train(cfg, steps=3, **kw):
                          ids=["every_layer", "groups_accum"])
 def test_host_checkpoints_give_the_same_step_bit_for_bit(kw):
   cfg = CFG.replace(n_layers=5)
-  want_losses, want, _ = _train(cfg, steps=2, activations="device", **kw)
-  got_losses, got, stats = _train(cfg, steps=2, activations="host", **kw)
+  alive = []  # activation-shaped arrays in device memory when the head's gradient leaves
+
+  def at_the_head(u, g):
+    if u == cfg.n_layers + 1:
+      shape = (4 // kw.get("grad_accum", 1), 64, cfg.d_model)
+      alive.append(sum(1 for a in jax.live_arrays()
+                       if a.shape == shape and a.sharding.memory_kind == "device"))
+    return g
+  want_losses, want, _ = _train(cfg, 2, at_the_head, activations="device", **kw)
+  got_losses, got, stats = _train(cfg, 2, at_the_head, activations="host", **kw)
   assert got_losses == want_losses
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
     np.testing.assert_array_equal(a, b)
@@ -44,6 +53,9 @@ def test_host_checkpoints_give_the_same_step_bit_for_bit(kw):
   moved = 2 * kw.get("grad_accum", 1) * (groups - 1) * act
   assert stats["activation_bytes_moved"] == {"d2h": moved, "h2d": moved}
   assert stats["host_activation_peak_bytes"] == (groups - 1) * act
+  # Every checkpoint sent has left the device by the first step's head (nothing holds
+  # it there; later heads may still see the arrays of the micro-batch before).
+  assert alive[0] - alive[len(alive) // 2] == groups - 1
 
 
 def test_the_device_peak_is_flat_in_depth():

@@ -60,12 +60,14 @@ class HostActivations:
       if job is None:
         return
       future, fn, args = job
-      if not future.set_running_or_notify_cancel():
-        continue
-      try:
-        future.set_result(fn(*args))
-      except BaseException as e:  # pylint: disable=broad-except
-        future.set_exception(e)
+      if future.set_running_or_notify_cancel():
+        try:
+          future.set_result(fn(*args))
+        except BaseException as e:  # pylint: disable=broad-except
+          future.set_exception(e)
+      # A checkpoint sent must not stay alive on the device through this thread's
+      # next wait: drop the job (its arguments hold the device array).
+      del job, future, fn, args
 
   def _submit(self, fn: Callable, *args) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
@@ -96,7 +98,6 @@ class HostActivations:
       self._hold(key, host.nbytes)
       return host
     finally:
-      del x
       self._count(key, None)  # the device buffer is free (or lost)
 
   def _bring(self, key, out: concurrent.futures.Future) -> jax.Array:

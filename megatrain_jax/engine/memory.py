@@ -18,20 +18,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from megatrain_jax.engine import workspace
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
-
-# Checkpoints on the device at once when they wait in host memory: the group being
-# worked on and the one moving (out during the forward, in ahead of the backward).
-HOST_CHECKPOINTS_ON_DEVICE = 2
 from megatrain_jax.engine.probe import resolve_for_config
-from megatrain_jax.engine import workspace
 from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
 
 GiB = 2**30
+# Checkpoints on the device at once when they wait in host memory: the group being
+# worked on and the one moving (out during the forward, in ahead of the backward).
+HOST_CHECKPOINTS_ON_DEVICE = 2
 
 
 def unit_trees(cfg: LlamaConfig) -> tuple[Any, ...]:

@@ -8,9 +8,10 @@
             MoE layers' router stats give the load-balancing loss and the
             gradient each router's probabilities get from it;
   backward  blocks in reverse groups: recompute the group's inputs from its
-            checkpoint (one brought back from host memory a group ahead), then `jax.vjp` layer by layer (each backward template
-            recomputes its layer's forward); a group's parameters are fetched once
-            and held until its backward ends;
+            checkpoint (one brought back from host memory a group ahead), then
+            `jax.vjp` layer by layer (each backward template recomputes its
+            layer's forward); a group's parameters are fetched once and held until
+            its backward ends;
   gradients each unit's gradient goes to the pipeline as soon as it exists, in the
             schedule's `grad_order` (the embedding's before layer 0's).
 So each unit crosses host -> device at most twice per micro-batch and its gradient
