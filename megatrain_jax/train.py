@@ -110,7 +110,7 @@ class TrainConfig:
       cfg = hf.read_config(self.hf_model_dir)[0]
     else:
       cfg = preset(self.model) if isinstance(self.model, str) else self.model
-    return cfg.replace(**self.compute()) if self.compute() else cfg
+    return cfg.replace(**self.compute())
 
   def compute(self) -> dict[str, int]:
     """The model settings given by flags that change how it computes, not what.

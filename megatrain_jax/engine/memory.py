@@ -152,7 +152,8 @@ def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformatio
 
 
 def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
-               ec: EngineConfig, on_cpu: bool | None = None) -> dict[str, int]:
+               ec: EngineConfig, on_cpu: bool | None = None, batch_size: int | None = None,
+               seq_len: int | None = None) -> dict[str, int]:
   """Host bytes of a streaming run by kind, and their total.
 
   Args:
@@ -160,6 +161,9 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     optimizer: the transform the engine runs.
     ec: the engine config.
     on_cpu: whether the run is on the CPU backend (default: this process's backend).
+    batch_size: sequences per step; with `seq_len`, the activation checkpoints
+      sent to host memory are counted too.
+    seq_len: tokens per sequence.
 
   Returns:
     masters: fp32 parameters. optimizer_state: the transform's state (from
@@ -169,7 +173,8 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     pinned_copies: the compute-dtype copy of every unit plus one being replaced,
     where they are kept (`keeps_stream_copy`). checkpoint_copies: what a save
     adds while training goes on (`snapshot_copy_bytes`, plus the unit the writer
-    holds). total.
+    holds). activation_checkpoints (with a batch shape): those `step_plan` sends
+    to host memory. total.
   """
   sizes = unit_sizes(cfg)
   n = sum(sizes)
@@ -187,6 +192,9 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
       "pinned_copies": cd * (n + max(sizes)) if keeps_stream_copy(ec, on_cpu) else 0,
       "checkpoint_copies": 2 * copies,
   }
+  if batch_size is not None:
+    out["activation_checkpoints"] = step_plan(cfg, ec, batch_size,
+                                              seq_len).host_checkpoint_bytes
   out["total"] = sum(out.values())
   return out
 

@@ -15,6 +15,7 @@ checked. `check` is the preflight's refusal of a run over the limit in force.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 
@@ -22,8 +23,7 @@ import jax.numpy as jnp
 from absl import logging
 
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.memory import (GiB, activation_bytes, keeps_stream_copy,
-                                         unit_sizes)
+from megatrain_jax.engine.memory import GiB, keeps_stream_copy, step_plan, unit_sizes
 from megatrain_jax.models.config import LlamaConfig
 
 ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"
@@ -51,9 +51,8 @@ def pinned_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: i
   sizes = unit_sizes(cfg)
   cd = jnp.dtype(ec.compute_dtype).itemsize
   copies = cd * (sum(sizes) + max(sizes)) if keeps_stream_copy(ec, on_cpu) else 0
-  groups = -(-cfg.n_layers // ec.checkpoint_every)
-  ckpts = ((groups - 1) * activation_bytes(cfg, ec, batch_size, seq_len)
-           if ec.activations != "device" else 0)
+  most = ec if ec.activations != "auto" else dataclasses.replace(ec, activations="host")
+  ckpts = step_plan(cfg, most, batch_size, seq_len).host_checkpoint_bytes
   return {"stream_copies": copies, "activation_checkpoints": ckpts,
           "total": copies + ckpts}
 

@@ -93,11 +93,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   if resident:
     host, dev = {"total": 0}, resident_device_bytes(cfg, optimizer)
   else:
-    host = host_bytes(cfg, optimizer, ec)
+    host = host_bytes(cfg, optimizer, ec, batch_size=batch_size, seq_len=seq_len)
     dev = device_bytes(cfg, ec, batch_size, seq_len)
-    host["activation_checkpoints"] = step_plan(cfg, ec, batch_size,
-                                               seq_len).host_checkpoint_bytes
-    host["total"] += host["activation_checkpoints"]
   host_limit = available_host_bytes() if host_limit is None else host_limit
   on_cpu = on_cpu_backend()
   host_need = host["total"] + (dev["total"] if on_cpu else 0)

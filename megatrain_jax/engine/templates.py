@@ -34,6 +34,11 @@ def all_finite(x: jax.Array) -> jax.Array:
   return jnp.all(jnp.isfinite(x))
 
 
+def _largest(values) -> int | None:
+  """The largest of byte counts, leaving out the unknown ones (None if none is known)."""
+  return max((v for v in values if v is not None), default=None)
+
+
 class Templates:
   """The jitted templates of one model: embed, block and head, forward and backward.
 
@@ -158,24 +163,6 @@ class Templates:
       g_probs = self._no_g_probs
     return self._block_bwd(flat, x, g, g_probs, positions, segment_ids, spec, window)
 
-  def block_memory(self, flat: jax.Array, x: jax.Array, layer: int = 0) -> dict[str, Any]:
-    """XLA's memory analysis of a layer's compiled forward and backward.
-
-    Args:
-      flat: a layer's flat compute-dtype parameters.
-      x: an input of the batch shape to analyse.
-      layer: the layer whose structure is analysed.
-
-    Returns:
-      {"block_fwd": analysis, "block_bwd": analysis} (`temp_size_in_bytes` etc.).
-    """
-    kind = self._kinds[layer]
-    g_probs = self._no_g_probs if self.cfg.layer_is_moe(layer) else None
-    return {"block_fwd": self._block_fwd.lower(flat, x, None, None, *kind).compile()
-            .memory_analysis(),
-            "block_bwd": self._block_bwd.lower(flat, x, x, g_probs, None, None, *kind)
-            .compile().memory_analysis()}
-
   def measure_scratch(self) -> dict[str, int]:
     """XLA's scratch inside each template for the last batch shape a block ran on:
     `memory_analysis().temp_size_in_bytes` of each compiled call, what the ledger
@@ -183,7 +170,8 @@ class Templates:
     runs only when asked; `stats` reports the last result.
 
     Returns:
-      {template: bytes}, the largest over the layer structures; {} before a step.
+      {template: bytes}, the largest over the layer structures (None where XLA
+      does not say); {} before a step.
     """
     if self._last_shape is None:
       return {}
@@ -202,9 +190,10 @@ class Templates:
       shape), "device_peak_with_scratch_bytes" (None until then)}.
     """
     scratch = self._scratch.get(self._last_shape, {})
+    largest = _largest(scratch.values())
     return {"compiles": self.compiles, "template_scratch_bytes": scratch,
             "device_peak_with_scratch_bytes":
-                device_peak_bytes + max(scratch.values()) if scratch else None}
+                None if largest is None else device_peak_bytes + largest}
 
   def _scratch_of(self, shape, dtype, packed_pos: bool, packed_seg: bool) -> dict[str, int]:
     S = jax.ShapeDtypeStruct
@@ -212,25 +201,25 @@ class Templates:
     x, ids = S(shape, dtype), S((b, t), jnp.int32)
     pos, seg = (ids if packed_pos else None), (ids if packed_seg else None)
     embed, head = self._specs
-    temp = lambda fn, *args: int(fn.lower(*args).compile().memory_analysis()
-                                 .temp_size_in_bytes)
-    out = {"embed_fwd": temp(self.embed_fwd, S((embed.size,), dtype), ids),
-           "embed_bwd": temp(self.embed_bwd, ids, x, S((embed.size,), dtype)
-                             if self.cfg.tie_embeddings else None)}
-    flat_e = S((embed.size,), dtype) if self.cfg.tie_embeddings else None
-    out["head"] = temp(self.head, S((head.size,), dtype), flat_e, x, ids,
-                       S((b, t), jnp.float32), S((), jnp.float32))
-    for layer, (spec, window) in enumerate(self._kinds):
-      if (spec, window) in self._kinds[:layer]:
-        continue  # one structure, one template
+    temp = lambda fn, *args: getattr(fn.lower(*args).compile().memory_analysis(),
+                                     "temp_size_in_bytes", None)
+    flat_e = S((embed.size,), dtype)
+    tied_e = flat_e if self.cfg.tie_embeddings else None
+    out = {"embed_fwd": temp(self.embed_fwd, flat_e, ids),
+           "embed_bwd": temp(self.embed_bwd, ids, x, tied_e),
+           "head": temp(self.head, S((head.size,), dtype), tied_e, x, ids,
+                        S((b, t), jnp.float32), S((), jnp.float32))}
+    first = {}  # each structure's first layer: one template per structure
+    for layer, kind in enumerate(self._kinds):
+      first.setdefault(kind, layer)
+    fwd, bwd = [], []
+    for (spec, window), layer in first.items():
       flat = S((spec.size,), dtype)
       g_probs = (S((self.cfg.n_experts,), jnp.float32) if self.cfg.layer_is_moe(layer)
                  else None)
-      out["block_fwd"] = max(out.get("block_fwd", 0),
-                             temp(self._block_fwd, flat, x, pos, seg, spec, window))
-      out["block_bwd"] = max(out.get("block_bwd", 0),
-                             temp(self._block_bwd, flat, x, x, g_probs, pos, seg, spec,
-                                  window))
+      fwd.append(temp(self._block_fwd, flat, x, pos, seg, spec, window))
+      bwd.append(temp(self._block_bwd, flat, x, x, g_probs, pos, seg, spec, window))
+    out["block_fwd"], out["block_bwd"] = _largest(fwd), _largest(bwd)
     return out
 
   def _counted(self, name: str, fn):

@@ -263,11 +263,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
     The plan.
   """
   ec = resolve(cfg, ec, batch_size, seq_len, hw.device_bytes, hw.flash_attention)
-  host = memory.host_bytes(cfg, optimizer, ec, on_cpu=hw.shared)
-  total = host.pop("total")
-  host["activation_checkpoints"] = memory.step_plan(cfg, ec, batch_size,
-                                                    seq_len).host_checkpoint_bytes
-  host["total"] = total + host["activation_checkpoints"]
+  host = memory.host_bytes(cfg, optimizer, ec, hw.shared, batch_size, seq_len)
   dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
   t = _times(cfg, ec, hw, batch_size, seq_len)
   sizes = memory.unit_sizes(cfg)
@@ -294,7 +290,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
       hardware=hw.name, batch_size=batch_size, seq_len=seq_len, params=sum(sizes),
       activations=ec.activations, host=host, mlp_chunk=cfg.mlp_chunk,
       attention=layers.attention_kernel(cfg, ec.compute_dtype, False,
-                                        "gpu" if hw.flash_attention else "cpu"),
+                                        _platform(hw.flash_attention)),
       pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size, seq_len, on_cpu=hw.shared),
       device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
       fits=host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes,
