@@ -39,6 +39,13 @@ def _pair(cfg, opt, ec):
   return ref, eng
 
 
+MOE = BASE.replace(
+    d_ff=48, n_experts=4, n_experts_per_tok=2, moe_d_ff=16, shared_expert_d_ff=24,
+    norm_topk_prob=False, moe_layers=(True, False, True, True), router_aux_loss_coef=0.1,
+    attention_block=8, mlp_chunk=7)
+WINDOWED = BASE.replace(sliding_window=5, layer_types=(
+    "full_attention", "sliding_attention", "sliding_attention", "full_attention"))
+
 # Each case a different path; depth 1, checkpoint groups, grad_accum and tied
 # embeddings are covered in combination by the last three.
 CASES = {
@@ -60,11 +67,18 @@ CASES = {
     # top-k) mixed with a dense one, the load-balancing loss in the training loss;
     # attention in blocks of 8 tokens (its custom VJP inside the templates), the dense
     # layer's feed-forward in chunks of 7 tokens.
-    "moe_mixed_shared_aux_blockwise": (BASE.replace(
-        d_ff=48, n_experts=4, n_experts_per_tok=2, moe_d_ff=16, shared_expert_d_ff=24,
-        norm_topk_prob=False, moe_layers=(True, False, True, True),
-        router_aux_loss_coef=0.1, attention_block=8, mlp_chunk=7), ADAMW,
-        dict(checkpoint_every=2)),
+    "moe_mixed_shared_aux_blockwise": (MOE, ADAMW, dict(checkpoint_every=2)),
+    # Checkpoints in host memory, with each recompute mode: the backward recomputes
+    # groups of layers, the matmul outputs are kept (and MoE router gradients flow
+    # through the kept residuals), or every residual is kept.
+    "host_full_ckpt2_accum_prefetch0": (BASE, ADAMW, dict(
+        activations="host", checkpoint_every=2, grad_accum=2, prefetch_depth=0)),
+    "host_dots_moe": (MOE, ADAMW, dict(activations="host", recompute="dots")),
+    "host_dots_prefetch0_clipped": (BASE, CLIPPED, dict(
+        activations="host", recompute="dots", prefetch_depth=0)),
+    "host_none_accum_prefetch2": (BASE, ADAMW, dict(
+        activations="host", recompute="none", grad_accum=2, prefetch_depth=2)),
+    "device_none_windows": (WINDOWED, ADAMW, dict(recompute="none")),
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),
@@ -383,6 +397,8 @@ def test_host_bytes_count_streaming_copies_only_where_kept():
     (dict(stream_copy="pinned"), "stream_copy"),
     (dict(host_threads=0), "host_threads"),
     (dict(host_chunk=2.5), "host_chunk"),
+    (dict(recompute="some"), "recompute"),
+    (dict(recompute="none", checkpoint_every=2), "checkpoint_every=1"),
 ])
 def test_bad_engine_config(kw, field):
   with pytest.raises(ValueError, match=field):

@@ -30,6 +30,18 @@ from megatrain_jax.engine.prefetch import Ledger, WorkerError
 from megatrain_jax.engine.transport import Transport
 
 
+def tree_bytes(tree) -> int:
+  """Bytes of every array in a checkpoint (a block input, or one with its residuals).
+
+  Args:
+    tree: an array or a tree of arrays.
+
+  Returns:
+    Their total size in bytes.
+  """
+  return sum(a.nbytes for a in jax.tree.leaves(tree))
+
+
 class HostActivations:
   """Block inputs of one micro-batch, waiting in host memory for the backward."""
 
@@ -91,20 +103,20 @@ class HostActivations:
         self._held[key] = nbytes
       self.host_peak_bytes = max(self.host_peak_bytes, sum(self._held.values()))
 
-  def _send(self, key, x: jax.Array) -> jax.Array:
+  def _send(self, key, x) -> Any:
     try:
-      host = self._tp.offload(x)
-      self.bytes_moved["d2h"] += x.nbytes
-      self._hold(key, host.nbytes)
+      host = jax.tree.map(self._tp.offload, x)
+      self.bytes_moved["d2h"] += tree_bytes(x)
+      self._hold(key, tree_bytes(host))
       return host
     finally:
       self._count(key, None)  # the device buffer is free (or lost)
 
-  def _bring(self, key, out: concurrent.futures.Future) -> jax.Array:
+  def _bring(self, key, out: concurrent.futures.Future) -> Any:
     host = out.result()
-    self._count(key, host.nbytes)
-    x = self._tp.reload(host)
-    self.bytes_moved["h2d"] += x.nbytes
+    self._count(key, tree_bytes(host))
+    x = jax.tree.map(self._tp.reload, host)
+    self.bytes_moved["h2d"] += tree_bytes(x)
     self._hold(key, None)
     return x
 
@@ -118,18 +130,19 @@ class HostActivations:
       raise WorkerError(f"The transfer of {what} was cancelled (the engine is "
                         "shutting down).") from None
 
-  def put(self, key, x: jax.Array) -> None:
+  def put(self, key, x) -> None:
     """Sends a checkpoint to host memory, once the one before it has arrived there.
 
     Args:
       key: its name (the group's first layer).
-      x: the block input, on the device.
+      x: the block input, on the device (or, with recompute "dots" or "none", the
+        input with the layer's kept residuals: a tree of device arrays).
 
     Raises:
       What the earlier transfer met; TimeoutError if it takes over `timeout_s`.
     """
     self.flush()
-    self._count(key, x.nbytes)
+    self._count(key, tree_bytes(x))
     self._out[key] = self._submit(self._send, key, x)
 
   def flush(self) -> None:
@@ -150,14 +163,14 @@ class HostActivations:
     if key in self._out and key not in self._in:
       self._in[key] = self._submit(self._bring, key, self._out[key])
 
-  def take(self, key) -> jax.Array:
+  def take(self, key) -> Any:
     """A checkpoint back on the device (fetched now if `prefetch` did not ask).
 
     Args:
       key: a key given to `put`.
 
     Returns:
-      The block input, on the device; counted in the ledger under ("ckpt", key)
+      What `put` was given, on the device; counted in the ledger under ("ckpt", key)
       until the caller removes it.
 
     Raises:

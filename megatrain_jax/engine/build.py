@@ -108,5 +108,5 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                if host_opt.fused else "", ec.dtype_name,
                "kept" if keep else "made at each fetch")
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
-                        ec.compute_dtype, ec.loss_chunk_tokens)
+                        ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)
   return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)

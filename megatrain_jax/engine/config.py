@@ -17,6 +17,9 @@ OPTIMIZER_MODES = ("auto", "per_unit", "whole_tree")
 NONFINITE_POLICIES = ("raise", "skip")
 STREAM_COPIES = ("auto", "keep", "on_fetch")
 ACTIVATIONS = ("auto", "device", "host")
+# What a layer's backward recomputes (`engine.residuals`): its whole forward, all but
+# the matmul outputs, or nothing.
+RECOMPUTE = ("full", "dots", "none")
 # Compute dtypes by name; masters and optimizer state are always fp32.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Elements per step of the fused host AdamW's in-place loop: p, g, m and v of one
@@ -109,6 +112,12 @@ class EngineConfig:
       "host memory, sent during the forward and fetched back ahead of the backward: "
       "device memory flat in depth), or auto (host when a step would not fit the "
       "device budget or the accelerator otherwise).", choices=ACTIVATIONS)
+  recompute: str = _field(
+      "full", "What a layer's backward recomputes: full (its whole forward, from the "
+      "kept block input), dots (all but the matmul outputs, kept from the forward: "
+      "jax.checkpoint_policies.dots_with_no_batch_dims_saveable), none (nothing: the "
+      "forward keeps every residual). Kept residuals go where `activations` says; "
+      "dots and none need checkpoint_every=1.", choices=RECOMPUTE)
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "
@@ -131,6 +140,11 @@ class EngineConfig:
       if meta.get("positive") and (isinstance(value, bool)
                                    or not isinstance(value, (int, float)) or value <= 0):
         raise ValueError(f"EngineConfig.{f.name} must be a positive number, got {value!r}.")
+    if self.recompute != "full" and self.checkpoint_every != 1:
+      raise ValueError(f"EngineConfig.recompute={self.recompute!r} keeps every layer's "
+                       f"residuals, so checkpoint_every={self.checkpoint_every} groups "
+                       "nothing: set checkpoint_every=1, or recompute='full' to "
+                       "recompute groups of layers.")
 
   @property
   def dtype_name(self) -> str:

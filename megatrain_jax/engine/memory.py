@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax.engine import workspace
+from megatrain_jax.engine import residuals, workspace
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
 from megatrain_jax.engine.probe import resolve_for_config
@@ -235,14 +235,17 @@ def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
       ec.compute_dtype).itemsize
 
 
-def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int
+def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: int
             ) -> dict[str, int]:
-  """The ledger's largest total over one micro-batch, by kind (see `step_plan`)."""
+  """The ledger's largest total over one micro-batch, by kind (see `step_plan`);
+  `act` is an activation's bytes, `ck` a checkpoint's."""
   unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
   if ec.activations == "host":
-    ckpt = lambda n: min(n, HOST_CHECKPOINTS_ON_DEVICE) * act
+    ckpt = lambda n: min(n, HOST_CHECKPOINTS_ON_DEVICE) * ck
   else:
-    ckpt = lambda n: n * act
+    ckpt = lambda n: n * ck
+  # With kept residuals a layer's output is new while its input is in a checkpoint.
+  first = act if ec.recompute != "full" else 0
   order = sched.fetch_order
   both = order + order  # this micro-batch's fetches, then the next one's
   widest = max(sched.limit(q) for q in range(len(order))) if order else 0
@@ -290,7 +293,7 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int
   at({"gradients_in_flight": sum(queue)})
   for i in range(L):
     take(1 + i)
-    at({"activation_checkpoints": ckpt(i // c + 1), "activations": act if i else 0,
+    at({"activation_checkpoints": ckpt(i // c + 1), "activations": act if i else first,
         "gradients_in_flight": sum(queue)})
   take(sched.head)
   if sched.tied:
@@ -395,15 +398,16 @@ def _auto(cfg, ec, batch_size, seq_len) -> str:
 @functools.lru_cache(maxsize=512)
 def _step_plan(cfg, ec, batch_size, seq_len) -> StepPlan:
   act = activation_bytes(cfg, ec, batch_size, seq_len)
+  ck = residuals.checkpoint_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
-  host_ckpts = (len(base.groups) - 1) * act if ec.activations == "host" else 0
+  host_ckpts = (len(base.groups) - 1) * ck if ec.activations == "host" else 0
   plan = lambda sched, peak: StepPlan(sched, peak, ec.activations, host_ckpts)
-  peak = _replay(cfg, ec, base, act)
+  peak = _replay(cfg, ec, base, act, ck)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
                 if u not in base.resident_units())
   for extra in range(ec.step_start_buffers, 0, -1):
     fits = lambda n: _replay(cfg, ec, dataclasses.replace(
-        base, start_buffers=extra, start_positions=n), act)["total"] <= peak["total"]
+        base, start_buffers=extra, start_positions=n), act, ck)["total"] <= peak["total"]
     lo, hi = 0, forward  # the largest n that fits (fitting is monotone in n)
     while lo < hi:
       mid = (lo + hi + 1) // 2

@@ -1,17 +1,19 @@
 """One micro-batch through the streaming engine: forward, head, backward.
 
   forward   embed, then every block through its template, keeping the block input
-            every `checkpoint_every` layers (on the device, or sent to host memory
-            with activations="host": `engine.activations`); the prefetcher moves
-            the next units to the device while the current one computes;
+            every `checkpoint_every` layers, or with recompute "dots"/"none" every
+            layer's input and residuals (`engine.residuals`), on the device or sent
+            to host memory with activations="host" (`engine.activations`); the
+            prefetcher moves the next units to the device while the current one
+            computes;
   head      final norm + LM head + chunked CE, value and gradient in one call; the
             MoE layers' router stats give the load-balancing loss and the
             gradient each router's probabilities get from it;
   backward  blocks in reverse groups: recompute the group's inputs from its
             checkpoint (one brought back from host memory a group ahead), then
             `jax.vjp` layer by layer (each backward template recomputes its
-            layer's forward); a group's parameters are fetched once and held until
-            its backward ends;
+            layer's forward, or with kept residuals only what they leave out); a
+            group's parameters are fetched once and held until its backward ends;
   gradients each unit's gradient goes to the pipeline as soon as it exists, in the
             schedule's `grad_order` (the embedding's before layer 0's).
 So each unit crosses host -> device at most twice per micro-batch and its gradient
@@ -26,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from megatrain_jax.engine.activations import tree_bytes
 from megatrain_jax.engine.memory import StepPlan
 from megatrain_jax.engine.nonfinite import StepGuard
 from megatrain_jax.engine.runtime import Runtime
@@ -82,19 +85,31 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   ckpts, starts, router = {}, {s for s, _ in schedule.groups}, []
   offload = rt.activations if host_checkpoints else None
   last_start = schedule.groups[-1][0] if schedule.groups else None
+  keep = tpl.recompute != "full"  # every layer keeps its residuals (groups of one)
+
+  def checkpoint(i, saved):
+    if offload is not None and i != last_start:
+      offload.put(i, saved)  # counted in the ledger until it has left the device
+    else:
+      ckpts[i] = saved
+      ledger.add(("ckpt", i), tree_bytes(saved))
+
   for i in range(schedule.n_layers):
-    if i in starts and offload is not None and i != last_start:
-      offload.put(i, x)  # counted in the ledger until it has left the device
-    elif i in starts:
-      ckpts[i] = x
-      ledger.add(("ckpt", i), act_bytes)
+    if i in starts and not keep:
+      checkpoint(i, x)
     p, key = get(1 + i)
-    x, stats = tpl.block_fwd(p, x, i, **extra)
+    if keep:
+      y, stats, kept = tpl.block_fwd_keep(p, x, i, **extra)
+      checkpoint(i, (x, kept))
+      x = kept = None
+    else:
+      y, stats = tpl.block_fwd(p, x, i, **extra)
+    x = y
     if stats is not None:
       router.append(stats)
     ledger.add("x", act_bytes)
     release(key, x)
-  p = None  # a released buffer must not stay alive through the backward
+  p = y = None  # a released buffer must not stay alive through the backward
   aux_sum, g_probs = _load_balancing(tpl.cfg, router, ids.size, scale)
 
   if offload is not None:
@@ -124,7 +139,13 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
       xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j, **extra)[0])
       ledger.add(("recompute", j), act_bytes)
     for j in reversed(range(e - s)):
-      g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j, g_probs, **extra)
+      if keep:
+        (x_in, kept), xs[j] = xs[j], None
+        g, g_p, finite = tpl.block_bwd_kept(params[j][0], x_in, kept, g, s + j, g_probs,
+                                            **extra)
+        x_in = kept = None
+      else:
+        g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j, g_probs, **extra)
       release(params[j][1], g)
       params[j], xs[j] = None, None  # released: nothing keeps them alive
       ledger.add(("grad", 1 + s + j), g_p.nbytes)

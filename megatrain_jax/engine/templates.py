@@ -16,6 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from megatrain_jax.engine import residuals
 from megatrain_jax.engine.flat import FlatSpec
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
@@ -51,6 +52,10 @@ class Templates:
       forward is recomputed inside; `g_probs` is the gradient of an MoE layer's router
       probability sum (the load-balancing loss's; None for a dense layer);
       `finite` says whether g_flat is all finite.
+    block_fwd_keep(flat_b, x, layer) -> (x, stats, kept) and
+    block_bwd_kept(flat_b, x, kept, g, layer, g_probs) -> (g_x, g_flat, finite):
+      the same with `recompute` "dots" or "none": the forward returns the residuals
+      its backward needs (`engine.residuals`), and the backward runs no forward.
     head(flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x, g_h, g_e,
       finite): final norm, LM head and chunked cross-entropy, value and gradient;
       the vjp is seeded with `scale` (1 / the batch's mask sum); g_e is the tied
@@ -60,7 +65,8 @@ class Templates:
   """
 
   def __init__(self, cfg: LlamaConfig, embed: FlatSpec, blocks: list[FlatSpec],
-               head: FlatSpec, compute_dtype: Any, loss_chunk_tokens: int | None = None):
+               head: FlatSpec, compute_dtype: Any, loss_chunk_tokens: int | None = None,
+               recompute: str = "full"):
     """Builds (does not yet compile) the templates.
 
     Args:
@@ -70,12 +76,15 @@ class Templates:
       head: the head's flat layout.
       compute_dtype: the dtype units and activations compute in.
       loss_chunk_tokens: tokens per chunk of logits (None: the loss's default).
+      recompute: what a layer's backward recomputes (`EngineConfig.recompute`).
     """
     self._counts: dict[str, int] = {}
     self._scratch: dict[tuple, dict[str, int]] = {}
     self._last_shape: tuple | None = None  # (x's shape, dtype, packed) of the last block
     self._specs = (embed, head)
     self.cfg = cfg
+    self.recompute = recompute
+    self._layouts: dict[tuple, residuals.Layout] = {}  # recorded by the forward's trace
     # An MoE layer's router gradient when no load-balancing loss is trained.
     self._no_g_probs = jnp.zeros((cfg.n_experts,), jnp.float32) if cfg.n_experts else None
     cd, tied, chunk = jnp.dtype(compute_dtype), cfg.tie_embeddings, loss_chunk_tokens
@@ -95,6 +104,20 @@ class Templates:
         return y, None if stats is None else stats.probs
       _, vjp = jax.vjp(f, flat, x)
       g_flat, g_x = vjp((g, g_probs))
+      return g_x, g_flat, all_finite(g_flat)
+
+    def layout_key(x, pos, seg, spec, window):
+      return (spec, window, x.shape, x.dtype, pos is None, seg is None)
+
+    def block_fwd_keep(flat, x, pos, seg, spec, window):
+      y, stats, kept, layout = residuals.forward(cfg, spec, window, recompute, flat, x,
+                                                 pos, seg)
+      self._layouts[layout_key(x, pos, seg, spec, window)] = layout
+      return y, stats, kept
+
+    def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, spec, window):
+      layout = self._layouts[layout_key(x, pos, seg, spec, window)]
+      g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
       return g_x, g_flat, all_finite(g_flat)
 
     def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
@@ -117,6 +140,10 @@ class Templates:
     self.embed_fwd = jax.jit(self._counted("embed_fwd", embed_fwd))
     self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(4, 5))
     self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=(6, 7))
+    self._block_fwd_keep = jax.jit(self._counted("block_fwd_keep", block_fwd_keep),
+                                   static_argnums=(4, 5))
+    self._block_bwd_kept = jax.jit(self._counted("block_bwd_kept", block_bwd_kept),
+                                   static_argnums=(7, 8))
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
 
@@ -137,6 +164,51 @@ class Templates:
     self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
     return self._block_fwd(flat, x, positions, segment_ids, *self._kinds[layer])
 
+  def block_fwd_keep(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
+                     segment_ids=None) -> tuple[jax.Array, Any, list]:
+    """Layer `layer`'s forward, keeping what its backward needs (recompute "dots"
+    or "none").
+
+    Args:
+      flat: the layer's flat compute-dtype parameters.
+      x: its input.
+      layer: its index (0-based).
+      positions: as `block_fwd`.
+      segment_ids: as `block_fwd`.
+
+    Returns:
+      (its output, its `moe.RouterStats` or None, the kept residuals: a list of
+      device arrays, no parameter among them).
+    """
+    self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
+    return self._block_fwd_keep(flat, x, positions, segment_ids, *self._kinds[layer])
+
+  def block_bwd_kept(self, flat: jax.Array, x: jax.Array, kept: list, g: jax.Array,
+                     layer: int, g_probs: jax.Array | None = None, positions=None,
+                     segment_ids=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Layer `layer`'s backward from what `block_fwd_keep` kept: no forward runs.
+
+    Args:
+      flat: the layer's flat compute-dtype parameters.
+      x: its input.
+      kept: the residuals its `block_fwd_keep` returned.
+      g: the gradient of its output.
+      layer: its index (0-based).
+      g_probs: as `block_bwd`.
+      positions: as `block_fwd`.
+      segment_ids: as `block_fwd`.
+
+    Returns:
+      As `block_bwd`.
+    """
+    return self._block_bwd_kept(flat, x, kept, g, self._g_probs(layer, g_probs),
+                                positions, segment_ids, *self._kinds[layer])
+
+  def _g_probs(self, layer: int, g_probs):
+    if not self.cfg.layer_is_moe(layer):
+      return None
+    return self._no_g_probs if g_probs is None else g_probs
+
   def block_bwd(self, flat: jax.Array, x: jax.Array, g: jax.Array, layer: int,
                 g_probs: jax.Array | None = None, positions=None, segment_ids=None
                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -156,12 +228,8 @@ class Templates:
       (the gradient of its input, of its flat parameters, whether the latter is
       all finite).
     """
-    spec, window = self._kinds[layer]
-    if not self.cfg.layer_is_moe(layer):
-      g_probs = None
-    elif g_probs is None:
-      g_probs = self._no_g_probs
-    return self._block_bwd(flat, x, g, g_probs, positions, segment_ids, spec, window)
+    return self._block_bwd(flat, x, g, self._g_probs(layer, g_probs), positions,
+                           segment_ids, *self._kinds[layer])
 
   def measure_scratch(self) -> dict[str, int]:
     """XLA's scratch inside each template for the last batch shape a block ran on:
@@ -217,8 +285,15 @@ class Templates:
       flat = S((spec.size,), dtype)
       g_probs = (S((self.cfg.n_experts,), jnp.float32) if self.cfg.layer_is_moe(layer)
                  else None)
-      fwd.append(temp(self._block_fwd, flat, x, pos, seg, spec, window))
-      bwd.append(temp(self._block_bwd, flat, x, x, g_probs, pos, seg, spec, window))
+      if self.recompute == "full":
+        fwd.append(temp(self._block_fwd, flat, x, pos, seg, spec, window))
+        bwd.append(temp(self._block_bwd, flat, x, x, g_probs, pos, seg, spec, window))
+        continue
+      keep = self._block_fwd_keep.lower(flat, x, pos, seg, spec, window)
+      fwd.append(getattr(keep.compile().memory_analysis(), "temp_size_in_bytes", None))
+      kept = keep.out_info[2]
+      bwd.append(temp(self._block_bwd_kept, flat, x, kept, x, g_probs, pos, seg, spec,
+                      window))
     out["block_fwd"], out["block_bwd"] = _largest(fwd), _largest(bwd)
     return out
 

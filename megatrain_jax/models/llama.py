@@ -192,7 +192,9 @@ def split_units(tree: Params) -> list[Params]:
 # ----------------------------------------------------------------------------
 
 def _cast(tree, dtype):
-  return jax.tree.map(lambda a: a.astype(dtype), tree)
+  # Leaves already in `dtype` stay the same arrays: a layer's vjp then keeps its
+  # parameters themselves, not copies (`engine.residuals`).
+  return jax.tree.map(lambda a: a if a.dtype == dtype else a.astype(dtype), tree)
 
 
 def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):

@@ -1,0 +1,174 @@
+"""What a layer's backward keeps from its forward (`EngineConfig.recompute`).
+
+  full  the block input only; the backward runs the layer's forward again inside
+        its vjp (the least memory, one more forward per layer);
+  dots  the block input and every matmul output without batch dimensions (the
+        q/k/v/o projections and the feed-forward's gate, up and down:
+        `jax.checkpoint_policies.dots_with_no_batch_dims_saveable`); the backward
+        recomputes the norms, rotary, the attention scores and the activations;
+  none  every residual of the layer's vjp; the backward runs no forward at all.
+
+For "dots" and "none" the forward template returns the layer's vjp residuals
+beside its output. A vjp's residuals would include the layer's weights, which the
+backward has anyway (its parameters are fetched for it): the vjp is taken with
+respect to the unflattened parameter tree, the residual leaves that are those
+parameters (or the input) are recognised by identity while tracing and left out,
+and the backward template puts its own parameters back in their places. So what
+a layer keeps is activations only, and no weight crosses the link twice.
+
+The layout of the residuals (the vjp's tree and which leaves are parameters) is
+static per layer structure and input shape: the forward's trace records it and the
+backward's trace, keyed the same, reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.models import llama
+from megatrain_jax.models.config import LlamaConfig
+
+_INPUT = -1  # a residual leaf that is the block input
+
+
+def policy(recompute: str):
+  """The `jax.checkpoint` policy of a recompute mode (None: keep every residual).
+
+  Args:
+    recompute: "dots" or "none".
+
+  Returns:
+    A `jax.checkpoint_policies` policy, or None for "none".
+  """
+  return {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+          "none": None}[recompute]
+
+
+class Layout(NamedTuple):
+  """Where a layer's kept residuals go back in its vjp.
+
+  Attributes:
+    treedef: the vjp function's tree.
+    slots: one per leaf: the index of a parameter leaf, `_INPUT` for the block
+      input, or None for a kept residual (taken in order).
+  """
+  treedef: Any
+  slots: tuple
+
+
+def _layer_fn(cfg: LlamaConfig, window, pos, seg):
+  def f(params, x):
+    y, stats = llama.block_apply_stats(cfg, params, x, pos, window, seg)
+    return (y, None if stats is None else stats.probs), stats
+  return f
+
+
+def forward(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, pos, seg
+            ) -> tuple[jax.Array, Any, list, Layout]:
+  """A layer's forward that keeps its residuals (traceable).
+
+  Args:
+    cfg: the model.
+    spec: the layer's flat layout.
+    window: its attention window.
+    recompute: "dots" or "none".
+    flat: its flat compute-dtype parameters.
+    x: its input.
+    pos: positions or None.
+    seg: segment ids or None.
+
+  Returns:
+    (its output, its router stats or None, the kept residuals, their `Layout`).
+  """
+  params = spec.unflatten(flat)
+  f = _layer_fn(cfg, window, pos, seg)
+  if policy(recompute) is not None:
+    f = jax.checkpoint(f, policy=policy(recompute))
+  (y, _), vjp, stats = jax.vjp(f, params, x, has_aux=True)
+  leaves, treedef = jax.tree.flatten(vjp)
+  where = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+  where[id(x)] = _INPUT
+  slots = tuple(where.get(id(leaf)) for leaf in leaves)
+  kept = [leaf for leaf, s in zip(leaves, slots) if s is None]
+  return y, stats, kept, Layout(treedef, slots)
+
+
+def backward(spec: FlatSpec, layout: Layout, flat, x, kept, g, g_probs
+             ) -> tuple[jax.Array, jax.Array]:
+  """A layer's backward from its kept residuals: no forward runs (traceable).
+
+  Args:
+    spec: the layer's flat layout.
+    layout: what `forward` returned for this structure and shape.
+    flat: its flat compute-dtype parameters.
+    x: its input.
+    kept: the residuals `forward` kept.
+    g: the gradient of its output.
+    g_probs: the gradient of its router probabilities (None for a dense layer).
+
+  Returns:
+    (the gradient of its flat parameters, of its input).
+  """
+  params = jax.tree.leaves(spec.unflatten(flat))
+  rest = iter(kept)
+  leaves = [next(rest) if s is None else x if s == _INPUT else params[s]
+            for s in layout.slots]
+  g_tree, g_x = jax.tree.unflatten(layout.treedef, leaves)((g, g_probs))
+  return spec.flatten(g_tree), g_x
+
+
+@functools.lru_cache(maxsize=256)
+def kept_bytes(cfg: LlamaConfig, layer: int, recompute: str, batch: int, seq_len: int,
+               dtype_name: str, packed: bool = False) -> int:
+  """Bytes a layer keeps for its backward besides its input (no allocation).
+
+  Args:
+    cfg: the model.
+    layer: the layer's index (its structure).
+    recompute: an `EngineConfig.recompute` mode.
+    batch: sequences per micro-batch.
+    seq_len: tokens per sequence.
+    dtype_name: the compute dtype's name.
+    packed: whether the batch carries positions and segment ids.
+
+  Returns:
+    0 for "full"; else the kept residuals' bytes.
+  """
+  if recompute == "full":
+    return 0
+  dtype = jnp.dtype(dtype_name)
+  spec = FlatSpec(llama.abstract_units(cfg)[1 + layer])
+  S = jax.ShapeDtypeStruct
+  ids = S((batch, seq_len), jnp.int32) if packed else None
+  out = jax.eval_shape(
+      lambda flat, x, pos, seg: forward(cfg, spec, cfg.layer_window(layer), recompute,
+                                        flat, x, pos, seg)[2],
+      S((spec.size,), dtype), S((batch, seq_len, cfg.d_model), dtype), ids, ids)
+  return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(out))
+
+
+def checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+                     seq_len: int) -> int:
+  """Bytes of one activation checkpoint: the block input, plus with recompute "dots"
+  or "none" the residuals the layer keeps (the largest over the layer structures,
+  with or without packed-document ids).
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The bytes.
+  """
+  b = batch_size // ec.grad_accum
+  kept = max((kept_bytes(cfg, i, ec.recompute, b, seq_len, ec.dtype_name, packed)
+              for i in range(cfg.n_layers) for packed in (False, True)), default=0)
+  return b * seq_len * cfg.d_model * jnp.dtype(ec.compute_dtype).itemsize + kept
