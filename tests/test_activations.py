@@ -11,7 +11,7 @@ import pytest
 
 import megatrain_jax as mt
 from megatrain_jax import planner
-from megatrain_jax.engine import memory
+from megatrain_jax.engine import memory, residuals
 from megatrain_jax.engine import transport as transport_lib
 
 from conftest import TINY, random_batch
@@ -128,3 +128,42 @@ def test_a_failed_transfer_is_raised_in_the_caller_and_stops_the_thread(way, mes
   eng.close()
   assert not any(t.name == "megatrain-activations" and t.is_alive()
                  for t in threading.enumerate())
+
+
+WIDE = mt.LlamaConfig(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2,
+                      d_ff=256, max_seq_len=128)
+
+
+@pytest.mark.parametrize("recompute", ["full", "dots"])
+def test_sixteen_layers_peak_near_four_and_the_bytes_moved_are_the_formula(recompute):
+  peaks = {}
+  for n in (4, 16):
+    cfg = WIDE.replace(n_layers=n)
+    ec = mt.EngineConfig(activations="host", recompute=recompute)
+    batch = random_batch(cfg, 8, 128)
+    with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+      eng.step(batch)
+      eng.step(batch)
+      stats = eng.stats()
+    peaks[n] = stats["device_peak_bytes"]
+    last, sched = stats["last_step"], memory.step_plan(cfg, ec, 8, 128).schedule
+    sizes = memory.unit_sizes(cfg)
+    # Every checkpoint but the last layer's goes down once and comes up once: the
+    # block input, with its kept matmul outputs for "dots".
+    ckpt = 8 * 128 * 128 * 4 + residuals.kept_bytes(cfg, 0, recompute, 8, 128, "float32")
+    assert ckpt <= residuals.checkpoint_bytes(cfg, ec, 8, 128)  # the model's bound
+    assert last["activation_bytes"] == {"d2h": (n - 1) * ckpt, "h2d": (n - 1) * ckpt}
+    assert last["h2d_bytes"] == (4 * sum(sizes[u] for u in sched.fetch_order)
+                                 + sum(v.nbytes for v in batch.values()) + (n - 1) * ckpt)
+    assert last["d2h_bytes"] == sum(memory.unit_grad_bytes(cfg, ec)) + (n - 1) * ckpt
+  assert peaks[16] <= 1.15 * peaks[4], peaks
+
+
+def test_kept_residuals_hold_activations_not_weights():
+  # One layer's weights (0.6 MB, the smallest kernel 32 KiB) against 2 tokens of
+  # activations (1 KiB each): a kept weight would pass the bound.
+  layer = memory.unit_param_bytes(WIDE, mt.EngineConfig())[1]
+  for recompute in ("dots", "none"):
+    kept = residuals.kept_bytes(WIDE, 0, recompute, 1, 2, "float32")
+    assert 0 < kept < layer / 20, (recompute, kept, layer)
+  assert residuals.kept_bytes(WIDE, 0, "full", 1, 2, "float32") == 0
