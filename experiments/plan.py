@@ -12,7 +12,7 @@ from absl import app, flags
 
 from megatrain_jax import planner
 from megatrain_jax.engine import EngineConfig, host_memory
-from megatrain_jax.engine.config import ACTIVATIONS, DTYPES
+from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.optim import adamw
 
@@ -27,6 +27,8 @@ flags.DEFINE_integer("checkpoint_every", 1, "Activation checkpoint every N layer
 flags.DEFINE_integer("grad_accum", 1, "Micro-batches per step.")
 flags.DEFINE_enum("activations", "auto", list(ACTIVATIONS),
                   "Where activation checkpoints wait (auto: host when the device is short).")
+flags.DEFINE_enum("recompute", "full", list(RECOMPUTE),
+                  "What a layer's backward recomputes (the table compares all three).")
 flags.DEFINE_integer("attention_block", None, "Attention in blocks of this many tokens "
                      "(default: the model's, or 1024 when the model does not fit without).")
 flags.DEFINE_integer("mlp_chunk", None, "Feed-forward in chunks of this many tokens "
@@ -48,7 +50,7 @@ def main(argv):
                        if FLAGS[k].value is not None})
   ec = EngineConfig(prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
                     compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum,
-                    activations=FLAGS.activations)
+                    activations=FLAGS.activations, recompute=FLAGS.recompute)
   opt = adamw(1e-4)
   if FLAGS.batch_size == "auto":
     cfg = planner.fit_compute(cfg, ec, hw, ec.grad_accum, FLAGS.seq_len)

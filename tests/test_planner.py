@@ -143,3 +143,20 @@ def test_figure_script_runs(tmp_path):
   scripts = sorted(f[:-3] for f in os.listdir(os.path.join(REPO, "experiments", "figures"))
                    if f.endswith(".py"))
   assert scripts == sorted(figures.FIGURES)
+
+
+def test_the_plan_names_the_recompute_that_fits_and_is_fastest():
+  cfg, hw = mt.preset("7b"), planner.PROFILES["h200"]
+  ec = mt.EngineConfig(compute_dtype="bfloat16")
+  p = planner.plan(cfg, ADAMW, ec, hw, 8, 4096)
+  full, dots, none = (p.recompute_options[m] for m in ("full", "dots", "none"))
+  # Every residual of 32 layers (the [T, T] attention probabilities among them)
+  # does not fit 141 GB; keeping the matmul outputs does, and skips most recompute.
+  assert full[0] and dots[0] and not none[0]
+  assert dots[1] < full[1]
+  assert planner.fastest(p.recompute_options) == "dots"
+  big = dataclasses.replace(hw, device_bytes=100 * hw.device_bytes,
+                            host_bytes=100 * hw.host_bytes)
+  options = planner.plan(cfg, ADAMW, ec, big, 8, 4096).recompute_options
+  assert options["none"][0] and planner.fastest(options) == "none"
+  assert "fastest recompute that fits" in p.table()

@@ -156,8 +156,8 @@ def kept_bytes(cfg: LlamaConfig, layer: int, recompute: str, batch: int, seq_len
 def checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
                      seq_len: int) -> int:
   """Bytes of one activation checkpoint: the block input, plus with recompute "dots"
-  or "none" the residuals the layer keeps (the largest over the layer structures,
-  with or without packed-document ids).
+  or "none" the residuals the layer keeps (a bound: the largest over the layer
+  structures, with or without packed-document ids).
 
   Args:
     cfg: the model.
@@ -169,6 +169,11 @@ def checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
     The bytes.
   """
   b = batch_size // ec.grad_accum
-  kept = max((kept_bytes(cfg, i, ec.recompute, b, seq_len, ec.dtype_name, packed)
-              for i in range(cfg.n_layers) for packed in (False, True)), default=0)
+  first = {}  # one layer per structure (its parameter shapes and window)
+  for i, unit in enumerate(llama.abstract_units(cfg)[1:-1]):
+    first.setdefault((FlatSpec(unit), cfg.layer_window(i)), i)
+  # Traced for one sequence and scaled: every residual but a few small ones (rotary
+  # tables, broadcast norm scales) has the batch dimension, so this bounds it.
+  kept = max((b * kept_bytes(cfg, i, ec.recompute, 1, seq_len, ec.dtype_name, packed)
+              for i in first.values() for packed in (False, True)), default=0)
   return b * seq_len * cfg.d_model * jnp.dtype(ec.compute_dtype).itemsize + kept

@@ -3,6 +3,6 @@
 from megatrain_jax.planner.hardware import (GB, PROFILES, Hardware, hardware,
                                             measure_hardware)
 from megatrain_jax.planner.plan import (LONG_CONTEXT, TB, Plan, config_from_hf_json,
-                                        device_peak, device_total, fit_compute,
+                                        device_peak, device_total, fastest, fit_compute,
                                         largest_batch, plan, resolve, step_bytes,
                                         workspace_bytes)

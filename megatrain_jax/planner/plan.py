@@ -18,6 +18,7 @@ The profiles are in `planner/hardware.py`.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import optax
@@ -25,6 +26,7 @@ import optax
 from megatrain_jax.engine import memory
 from megatrain_jax.engine import pinned as pinned_lib
 from megatrain_jax.engine import workspace
+from megatrain_jax.engine.config import RECOMPUTE
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
 from megatrain_jax.models import layers
 from megatrain_jax.models.config import LlamaConfig
@@ -131,6 +133,8 @@ class Plan:
   seq_len: int
   params: int
   activations: str
+  recompute: str
+  recompute_options: dict[str, tuple[bool, float]]
   attention: str
   mlp_chunk: int | None
   host: dict[str, int]
@@ -158,6 +162,10 @@ class Plan:
             ("fits", "yes" if self.fits else "NO"),
             ("largest batch that fits", str(self.largest_batch)),
             ("activation checkpoints wait on", self.activations),
+            ("recompute", self.recompute)]
+    rows += [(f"recompute={m}", f"{'fits' if ok else 'does NOT fit'}, step "
+              f"{t * 1e3:,.1f} ms") for m, (ok, t) in self.recompute_options.items()]
+    rows += [("fastest recompute that fits", fastest(self.recompute_options) or "none fits"),
             ("attention kernel", self.attention),
             ("feed-forward chunk", f"{self.mlp_chunk:,} tokens" if self.mlp_chunk
              else "whole sequence")]
@@ -203,7 +211,11 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
   tokens = batch_size * seq_len
   # Checkpoints sent to host memory cross the link once each way per micro-batch.
   moved = ec.grad_accum * memory.step_plan(cfg, ec, batch_size, seq_len).host_checkpoint_bytes
-  recompute = recompute_flops_per_token(cfg, seq_len) * (1 if ec.checkpoint_every == 1 else 2)
+  recompute = {"full": recompute_flops_per_token(cfg, seq_len)
+               * (1 if ec.checkpoint_every == 1 else 2),
+               # The attention scores and weighted values (dots with batch dimensions).
+               "dots": 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim,
+               "none": 0.0}[ec.recompute]
   flops = (model_flops_per_token(cfg, seq_len) + recompute) * tokens
   per_micro_calls = 3 + cfg.n_layers * (3 if ec.checkpoint_every == 1 else 4)
   b = step_bytes(cfg, ec)
@@ -262,6 +274,60 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
   Returns:
     The plan.
   """
+  options = {}
+  for m in RECOMPUTE:
+    e = _evaluate(cfg, optimizer, dataclasses.replace(
+        ec, recompute=m, checkpoint_every=ec.checkpoint_every if m == "full" else 1),
+        hw, batch_size, seq_len)
+    options[m] = (e.fits, e.step_s)
+  ec = resolve(cfg, ec, batch_size, seq_len, hw.device_bytes, hw.flash_attention)
+  dev, fits, step, t, bottleneck, host = _evaluate(cfg, optimizer, ec, hw, batch_size,
+                                                   seq_len)
+  sizes = memory.unit_sizes(cfg)
+  tokens = batch_size * seq_len
+  per_token = (t["compute"]) / tokens
+  break_even = t["h2d"] / per_token if per_token > 0 else float("inf")
+  model_flops = model_flops_per_token(cfg, seq_len) * tokens
+  return Plan(
+      hardware=hw.name, batch_size=batch_size, seq_len=seq_len, params=sum(sizes),
+      activations=ec.activations, recompute=ec.recompute, recompute_options=options,
+      host=host, mlp_chunk=cfg.mlp_chunk,
+      attention=layers.attention_kernel(cfg, ec.compute_dtype, False,
+                                        _platform(hw.flash_attention)),
+      pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size, seq_len, on_cpu=hw.shared),
+      device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
+      fits=fits,
+      largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention),
+      times=t, step_s=step, bottleneck=bottleneck, break_even_tokens=break_even,
+      tokens_per_s=tokens / step, model_tflops_per_s=model_flops / step / TB,
+      mfu=model_flops / step / hw.peak_flops)
+
+
+def fastest(options: dict[str, tuple[bool, float]]) -> str | None:
+  """The recompute mode with the shortest predicted step among those that fit.
+
+  Args:
+    options: `Plan.recompute_options`.
+
+  Returns:
+    The mode, or None when none fits.
+  """
+  fitting = {m: t for m, (ok, t) in options.items() if ok}
+  return min(fitting, key=fitting.get) if fitting else None
+
+
+class _Evaluation(NamedTuple):
+  device: dict[str, int]
+  fits: bool
+  step_s: float
+  times: dict[str, float]
+  bottleneck: str
+  host: dict[str, int]
+
+
+def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int
+              ) -> _Evaluation:
+  """Memory, fit and step time of one engine config (activations "auto" decided)."""
   ec = resolve(cfg, ec, batch_size, seq_len, hw.device_bytes, hw.flash_attention)
   host = memory.host_bytes(cfg, optimizer, ec, hw.shared, batch_size, seq_len)
   dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
@@ -281,23 +347,9 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
     else:
       step = max(t["compute"], t["h2d"], t["d2h"], t["host_opt"]) + exposed
       bottleneck = max(("compute", "h2d", "d2h", "host_opt"), key=t.get)
-  tokens = batch_size * seq_len
-  per_token = (t["compute"]) / tokens
-  break_even = t["h2d"] / per_token if per_token > 0 else float("inf")
-  model_flops = model_flops_per_token(cfg, seq_len) * tokens
   host_need = host["total"] + (dev["total"] if hw.shared else 0)
-  return Plan(
-      hardware=hw.name, batch_size=batch_size, seq_len=seq_len, params=sum(sizes),
-      activations=ec.activations, host=host, mlp_chunk=cfg.mlp_chunk,
-      attention=layers.attention_kernel(cfg, ec.compute_dtype, False,
-                                        _platform(hw.flash_attention)),
-      pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size, seq_len, on_cpu=hw.shared),
-      device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
-      fits=host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes,
-      largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention),
-      times=t, step_s=step, bottleneck=bottleneck, break_even_tokens=break_even,
-      tokens_per_s=tokens / step, model_tflops_per_s=model_flops / step / TB,
-      mfu=model_flops / step / hw.peak_flops)
+  fits = host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes
+  return _Evaluation(dev, fits, step, t, bottleneck, host)
 
 
 # What a long sequence needs, tried in order when the model as given does not fit:
