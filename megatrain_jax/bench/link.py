@@ -54,7 +54,8 @@ def link_ratios(s: Suite) -> dict[str, Any]:
 
   Returns:
     The overlap efficiency with the default prefetch and with one more buffer in
-    flight, the no-prefetch over prefetch step-time ratio, and the link's speed and
+    flight, the no-prefetch over prefetch step-time ratio, the step time with the
+    activation checkpoints in host memory over on the device, and the link's speed and
     the times behind them.
   """
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
@@ -73,13 +74,22 @@ def link_ratios(s: Suite) -> dict[str, Any]:
        StreamingTrainer(model(), adamw(1e-4),
                         EngineConfig(transport=link(), prefetch_depth=0)) as b, \
        StreamingTrainer(model(), adamw(1e-4),
-                        EngineConfig(transport=link(), prefetch_depth=deeper)) as c:
-    t = steady_step_times({"prefetch": a, "none": b, "deeper": c}, batch, 1,
+                        EngineConfig(transport=link(), prefetch_depth=deeper)) as c, \
+       StreamingTrainer(model(), adamw(1e-4),
+                        EngineConfig(transport=link(), activations="host")) as d:
+    t = steady_step_times({"prefetch": a, "none": b, "deeper": c, "host": d}, batch, 1,
                           max(3, s.reps // 2))
+    h2d = {k: e.stats()["last_step"]["h2d_bytes"] for k, e in (("device", a), ("host", d))}
   return {
       "overlap_efficiency": max(compute, transfer) / t["prefetch"],
       "no_prefetch_over_prefetch": t["none"] / t["prefetch"],
       "overlap_efficiency_deeper_prefetch": max(compute, transfer) / t["deeper"],
+      # Checkpoints in host memory against on the device, same link: the reloads
+      # share the host -> device direction with the fetches, so where that direction
+      # is the bottleneck their bytes (the second ratio) are the floor.
+      "activation_offload_overhead": t["host"] / t["prefetch"],
+      "activation_offload_h2d_bytes_ratio": h2d["host"] / h2d["device"],
+      "link_host_activations_step_time_s": t["host"],
       "link_deeper_prefetch_depth": deeper,
       "link_deeper_prefetch_step_time_s": t["deeper"],
       "link_gb_per_s": gbps,
