@@ -10,7 +10,7 @@ import importlib
 from megatrain_jax.models import Llama, LlamaConfig, PRESETS, RopeScaling, preset
 from megatrain_jax.models.batch import check_batch
 from megatrain_jax.resident import ResidentTrainer
-from megatrain_jax.engine import (DeviceTransport, EngineConfig, SimulatedLink,
+from megatrain_jax.engine import (DeviceTransport, EngineConfig, MeshTransport, SimulatedLink,
                                   StreamingTrainer)
 from megatrain_jax import data, engine, metrics, models, optim
 

@@ -18,6 +18,7 @@ from megatrain_jax.engine.probe import FAST_PATH, resolve_for_config
 from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.engine.templates import Templates
+from megatrain_jax.engine.mesh import MeshTransport, local_devices
 from megatrain_jax.engine.transport import DeviceTransport, Transport
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
@@ -79,7 +80,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   if ec.return_freed_memory:
     host_memory.return_freed_memory()
   schedule = Schedule.build(cfg, ec)
-  transport: Transport = ec.transport or DeviceTransport()
+  transport = _transport(ec)
   resolution = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
   if resolution.mode == "whole_tree" and ec.optimizer_mode == "auto":
     logging.info("optimizer_mode auto: whole_tree, because %s. Each step's update then "
@@ -110,3 +111,18 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)
   return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
+
+
+def _transport(ec: EngineConfig) -> Transport:
+  """The config's transport: its own, or one device's, or a mesh of
+  `data_parallel` devices; a given transport must span that many devices."""
+  n = len(local_devices(ec.data_parallel))
+  if ec.transport is None:
+    return MeshTransport(local_devices(n)) if n > 1 else DeviceTransport()
+  spans = getattr(getattr(ec.transport, "base", ec.transport), "n_devices", 1)
+  if spans != n:
+    raise ValueError(f"EngineConfig.data_parallel={ec.data_parallel} ({n} device(s)) but "
+                     f"its transport spans {spans}: give a MeshTransport over {n} devices "
+                     "(or SimulatedLink(gb_per_s, base=MeshTransport(...))), or set "
+                     "data_parallel to match.")
+  return ec.transport

@@ -118,6 +118,11 @@ class EngineConfig:
       "jax.checkpoint_policies.dots_with_no_batch_dims_saveable), none (nothing: the "
       "forward keeps every residual). Kept residuals go where `activations` says; "
       "dots and none need checkpoint_every=1.", choices=RECOMPUTE)
+  data_parallel: int = _field(
+      1, "Local devices each micro-batch is split over (data parallel): every unit "
+      "goes to each of them, XLA sums the gradients across them inside the "
+      "templates, and each gradient comes back once (engine/mesh.py). 0: all local "
+      "devices. The batch must divide by it times grad_accum.", low=0)
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "

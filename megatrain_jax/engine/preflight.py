@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 import optax
 
 from megatrain_jax.engine import pinned
@@ -140,6 +141,11 @@ def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any
   b, t = batch["input_ids"].shape
   if b % ec.grad_accum:
     raise ValueError(f"Batch size {b} is not divisible by grad_accum={ec.grad_accum}.")
+  n = ec.data_parallel or jax.local_device_count()
+  if b % (ec.grad_accum * n):
+    raise ValueError(f"Batch size {b} does not split into grad_accum={ec.grad_accum} "
+                     f"micro-batches over data_parallel={n} devices: make it a multiple "
+                     f"of {ec.grad_accum * n}.")
   total = float(batch["loss_mask"].sum())
   if total <= 0:
     raise ValueError("The batch's loss_mask is all zero: no token to train on.")

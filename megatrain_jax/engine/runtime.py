@@ -300,6 +300,8 @@ class Runtime:
             "device_peak_bytes": self.peak_bytes, "last_step": dict(self.last),
             "device_bytes": self.ledger.current,
             "param_count": sum(s.size for s in host_opt.specs),
+            "data_parallel_devices": getattr(getattr(self.transport, "base", self.transport),
+                                             "n_devices", 1),
             "stream_bytes": self.store.stream_bytes(), "prefetch_slots": self.schedule.slots,
             "optimizer_mode": host_opt.mode, "fused_optimizer": host_opt.fused,
             "host_update_parts": max(len(p) for p in host_opt.parts),
