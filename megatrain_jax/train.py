@@ -179,10 +179,12 @@ class TrainConfig:
     if self.seq_len > cfg.max_seq_len:
       raise ValueError(f"--seq_len={self.seq_len} exceeds the model's max_seq_len="
                        f"{cfg.max_seq_len}; lower --seq_len or pick a larger --model.")
+    split = ec.grad_accum * max(ec.data_parallel, 1)
     if self.engine == "streaming" and self.batch_size != "auto" \
-        and self.batch_size % ec.grad_accum:
+        and self.batch_size % split:
       raise ValueError(f"--batch_size={self.batch_size} is not divisible by "
-                       f"--grad_accum={ec.grad_accum}.")
+                       f"--grad_accum={ec.grad_accum} x --data_parallel="
+                       f"{max(ec.data_parallel, 1)}: make it a multiple of {split}.")
     if not self.lr > 0:
       raise ValueError(f"--lr must be positive, got {self.lr}.")
 

@@ -90,11 +90,14 @@ def test_host_optimizer_profile_formulas(monkeypatch):
 
 def test_step_ratio_formula(monkeypatch):
   monkeypatch.setattr(steps, "median_times",
-                      lambda fns, warmup, reps: {"stream": 3.0, "remat": 2.0, "plain": 1.5})
+                      lambda fns, warmup, reps: {"stream": 3.0, "remat": 2.0, "plain": 1.5,
+                                                 "none": 1.65, "dots": 1.8})
   suite = bench.Suite(model=TINY, batch_size=2, seq_len=8)
   out = steps.step_ratios(suite)
   assert out["stream_over_resident_remat"] == pytest.approx(1.5)
   assert out["stream_over_resident"] == pytest.approx(2.0)
+  assert out["stream_over_resident_noremat"] == pytest.approx(1.1)
+  assert out["stream_over_resident_dots"] == pytest.approx(1.2)
   assert out["tokens_per_s"] == pytest.approx(16 / 3.0)
   assert out["model_tflops_per_s"] == pytest.approx(
       metrics.model_flops_per_token(TINY, 8) * 16 / 3.0 / 1e12)
@@ -104,7 +107,7 @@ def test_link_ratio_formulas(monkeypatch):
   monkeypatch.setattr(link, "median_times", lambda fns, warmup, reps: {"c": 2.0})
   monkeypatch.setattr(link, "steady_step_times",
                       lambda trainers, batch, warmup, reps: {"prefetch": 2.5, "none": 4.0,
-                                                             "deeper": 2.0})
+                                                             "deeper": 2.0, "host": 2.6})
   monkeypatch.setattr(link, "layer_backward_time", lambda *a: 0.1)
 
   class FakeTrainer:
@@ -126,6 +129,7 @@ def test_link_ratio_formulas(monkeypatch):
   assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)
   assert out["overlap_efficiency_deeper_prefetch"] == pytest.approx(3.0 / 2.0)
   assert out["link_deeper_prefetch_depth"] == link.EngineConfig().prefetch_depth + 1
+  assert out["activation_offload_overhead"] == pytest.approx(2.6 / 2.5)
 
 
 def test_gpu_check_script_runs_in_quick_mode(tmp_path):

@@ -50,11 +50,15 @@ def test_each_packed_document_has_its_own_logits(attention_block):
   assert np.abs(mixed[5:] - packed[5:]).max() > 1e-3
 
 
-def test_streamed_equals_resident_on_packed_batches():
+@pytest.mark.parametrize("kw", [dict(checkpoint_every=2),
+                                dict(recompute="none", activations="host")],
+                         ids=["groups", "kept_residuals_on_host"])
+def test_streamed_equals_resident_on_packed_batches(kw):
+  # With kept residuals the positions and segment ids are residuals of the layer too.
   cfg = TINY.replace(n_layers=3, attention_block=8)
   ref = mt.ResidentTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3))
   eng = mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), optax.adamw(1e-3),
-                            mt.EngineConfig(checkpoint_every=2))
+                            mt.EngineConfig(**kw))
   with eng:
     for s in range(3):
       _, ids, seg, pos = _packed(cfg, seed=s)

@@ -30,13 +30,22 @@ def scale_out(s) -> dict[str, Any]:
   Returns:
     The ratio, both step times, and each run's host -> device and device -> host
     bytes per step (per device: every device receives every unit).
+
+  Raises:
+    RuntimeError: the child process failed (its stderr's tail is in the message) or
+      took over an hour.
   """
   sizes = {"model": dataclasses.asdict(s.model), "seq_len": s.seq_len,
            "warmup": s.warmup, "reps": s.reps}
-  env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={DEVICES}"}
-  proc = subprocess.run([sys.executable, "-m", "megatrain_jax.bench.scale_out",
-                         json.dumps(sizes)], env=env, capture_output=True, text=True,
-                        check=False)
+  flags = os.environ.get("XLA_FLAGS", "")
+  env = {**os.environ,
+         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()}
+  try:
+    proc = subprocess.run([sys.executable, "-m", "megatrain_jax.bench.scale_out",
+                           json.dumps(sizes)], env=env, capture_output=True, text=True,
+                          check=False, timeout=3600)
+  except subprocess.TimeoutExpired as e:
+    raise RuntimeError("The scale-out child took over an hour.") from e
   lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
   if proc.returncode or not lines:
     raise RuntimeError(f"The scale-out child failed:\n{proc.stderr[-3000:]}")

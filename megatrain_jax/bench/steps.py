@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import jax.numpy as jnp
@@ -17,39 +18,42 @@ from megatrain_jax.optim import adamw
 from megatrain_jax.resident import ResidentTrainer
 
 
-def step_ratios(s: Suite) -> dict[str, Any]:
+def step_ratios(s: Suite, kept: tuple[str, ...] = ("none", "dots")) -> dict[str, Any]:
   """Streaming vs resident step time on a model that fits, fp32.
 
   Args:
     s: the sizes.
+    kept: the `recompute` modes that keep residuals to time beside (each one's
+      residuals must fit the device: "none" keeps the [T, T] attention
+      probabilities of every layer).
 
   Returns:
     The streaming step time over the resident one's (with and without remat; and
-    with recompute="none" over the resident one without remat), the step times, throughput, and the streaming engine's memory and traffic.
+    with recompute "none" and "dots" over the resident one without remat), the
+    step times, throughput, and the streaming engine's memory and traffic.
   """
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
   opt = lambda: optax.adamw(1e-4)
   model = lambda: Llama(cfg, rngs=nnx.Rngs(0))
   remat = ResidentTrainer(model(), opt(), remat=True)
   plain = ResidentTrainer(model(), opt())
-  with StreamingTrainer(model(), adamw(1e-4), EngineConfig()) as eng, \
-       StreamingTrainer(model(), adamw(1e-4), EngineConfig(recompute="none")) as kept:
+  with contextlib.ExitStack() as stack:
+    make = lambda **kw: stack.enter_context(
+        StreamingTrainer(model(), adamw(1e-4), EngineConfig(**kw)))
+    engines = {"stream": make(), **{m: make(recompute=m) for m in kept}}
     # The streaming step's last updates are waited for inside its timing (a step
     # alone, not overlapping the next one), so it is charged all of its work.
-    t = median_times({"stream": lambda: (eng.step(batch), eng.wait()),
-                      "stream_kept": lambda: (kept.step(batch), kept.wait()),
+    t = median_times({**{k: (lambda e=e: (e.step(batch), e.wait()))
+                         for k, e in engines.items()},
                       "remat": lambda: remat.step(batch),
                       "plain": lambda: plain.step(batch)}, s.warmup, s.reps)
-    st = eng.stats()
+    stats = {k: e.stats() for k, e in engines.items()}
+  st = stats["stream"]
   tokens = s.batch_size * s.seq_len
-  return {
+  out = {
       "stream_over_resident_remat": t["stream"] / t["remat"],
       "stream_over_resident": t["stream"] / t["plain"],
-      # recompute="none": no layer's forward runs twice, like the resident step
-      # without remat.
-      "stream_over_resident_noremat": t["stream_kept"] / t["plain"],
       "step_time_s": t["stream"],
-      "noremat_step_time_s": t["stream_kept"],
       "resident_remat_step_time_s": t["remat"],
       "resident_step_time_s": t["plain"],
       "tokens_per_s": tokens / t["stream"],
@@ -61,6 +65,14 @@ def step_ratios(s: Suite) -> dict[str, Any]:
       "h2d_bytes_per_step": st["last_step"].get("h2d_bytes"),
       "d2h_bytes_per_step": st["last_step"].get("d2h_bytes"),
   }
+  # recompute="none": no layer's forward runs twice, like the resident step without
+  # remat; "dots", the policy between, recomputes the elementwise work only.
+  names = {"none": "noremat", "dots": "dots"}
+  for m in kept:
+    out[f"stream_over_resident_{names[m]}"] = t[m] / t["plain"]
+    out[f"{names[m]}_step_time_s"] = t[m]
+    out[f"{names[m]}_device_peak_bytes"] = stats[m]["device_peak_bytes"]
+  return out
 
 
 def template_times(s: Suite) -> dict[str, Any]:

@@ -115,7 +115,18 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
 
 def _transport(ec: EngineConfig) -> Transport:
   """The config's transport: its own, or one device's, or a mesh of
-  `data_parallel` devices; a given transport must span that many devices."""
+  `data_parallel` devices; a given transport must span that many devices.
+
+  Args:
+    ec: the engine config.
+
+  Returns:
+    The transport.
+
+  Raises:
+    ValueError: fewer local devices than `data_parallel`, or a given transport
+      over another number of devices.
+  """
   n = len(local_devices(ec.data_parallel))
   if ec.transport is None:
     return MeshTransport(local_devices(n)) if n > 1 else DeviceTransport()

@@ -244,8 +244,6 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: i
     ckpt = lambda n: min(n, HOST_CHECKPOINTS_ON_DEVICE) * ck
   else:
     ckpt = lambda n: n * ck
-  # With kept residuals a layer's output is new while its input is in a checkpoint.
-  first = act if ec.recompute != "full" else 0
   order = sched.fetch_order
   both = order + order  # this micro-batch's fetches, then the next one's
   widest = max(sched.limit(q) for q in range(len(order))) if order else 0
@@ -293,7 +291,7 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: i
   at({"gradients_in_flight": sum(queue)})
   for i in range(L):
     take(1 + i)
-    at({"activation_checkpoints": ckpt(i // c + 1), "activations": act if i else first,
+    at({"activation_checkpoints": ckpt(i // c + 1), "activations": act,
         "gradients_in_flight": sum(queue)})
   take(sched.head)
   if sched.tied:

@@ -62,8 +62,13 @@ class MeshTransport(DeviceTransport):
     Args:
       devices: the mesh's devices (default: every local device).
       d2h_path: as `DeviceTransport`.
+
+    Raises:
+      ValueError: no device.
     """
-    devices = list(devices or jax.local_devices())
+    devices = list(jax.local_devices() if devices is None else devices)
+    if not devices:
+      raise ValueError("MeshTransport needs at least one device.")
     super().__init__(devices[0], d2h_path)
     self.devices = devices
     self.mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
@@ -79,22 +84,68 @@ class MeshTransport(DeviceTransport):
     return len(self.devices)
 
   def h2d(self, staged):
+    """Sends a streaming copy to every device of the mesh.
+
+    Args:
+      staged: a `stage` result.
+
+    Returns:
+      The unit, replicated over the mesh in device memory.
+    """
     return jax.device_put(staged, self.replicated)
 
   def h2d_cast(self, master, dtype):
-    # Cast on the first device's side, then one copy to every device.
+    """Casts a master (on the CPU backend, into the first device; else on the host),
+    then sends it to every device.
+
+    Args:
+      master: a CPU-backend fp32 master, as a tuple of consecutive parts.
+      dtype: the compute dtype.
+
+    Returns:
+      The unit, replicated over the mesh.
+    """
     return self.h2d(super().h2d_cast(master, dtype))
 
   def d2h(self, device_array):
+    """Brings a gradient back once, from the first device.
+
+    Args:
+      device_array: a gradient, replicated by the template's all-reduce (any other
+        sharding is gathered first).
+
+    Returns:
+      A CPU-backend array.
+    """
     if not device_array.sharding.is_fully_replicated:
       device_array = jax.device_put(device_array, self.replicated)
     return super().d2h(device_array.addressable_shards[0].data)
 
   def to_device(self, x):
+    """Splits a batch array over the mesh's "data" axis.
+
+    Args:
+      x: a numpy array whose first dimension divides by the device count (a 0-d
+        one is replicated).
+
+    Returns:
+      The sharded device array.
+    """
     x = np.asarray(x)
     return jax.device_put(x, self.split if x.ndim else self.replicated)
 
   def offload(self, device_array):
+    """Moves an activation to pinned host memory, keeping its sharding.
+
+    Args:
+      device_array: an array on the mesh.
+
+    Returns:
+      The same shards in pinned host memory.
+
+    Raises:
+      ValueError: the platform has no pinned host memory.
+    """
     if self._host_kind is None:
       raise ValueError("activations='host' with data_parallel > 1 needs the devices' "
                        "pinned_host memory, which this platform does not have: use "
@@ -103,5 +154,13 @@ class MeshTransport(DeviceTransport):
         self._host_kind)).block_until_ready()
 
   def reload(self, host_array):
+    """Moves an `offload` result back to device memory, keeping its sharding.
+
+    Args:
+      host_array: what `offload` returned.
+
+    Returns:
+      The array on the mesh in device memory.
+    """
     return jax.device_put(host_array, host_array.sharding.with_memory_kind(
         self._kind)).block_until_ready()

@@ -134,8 +134,9 @@ def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any
     (the batch as host numpy arrays, its mask sum, its shape's `StepPlan`).
 
   Raises:
-    ValueError: a bad batch (see `check_batch`), a batch size grad_accum does not
-      divide, an all-zero mask, or a shape over `ec.device_budget_bytes`.
+    ValueError: a bad batch (see `check_batch`), a batch size grad_accum (times the
+      data-parallel devices) does not divide, an all-zero mask, or a shape over
+      `ec.device_budget_bytes`.
   """
   batch = check_batch(cfg, batch)
   b, t = batch["input_ids"].shape

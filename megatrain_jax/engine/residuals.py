@@ -17,8 +17,15 @@ and the backward template puts its own parameters back in their places. So what
 a layer keeps is activations only, and no weight crosses the link twice.
 
 The layout of the residuals (the vjp's tree and which leaves are parameters) is
-static per layer structure and input shape: the forward's trace records it and the
-backward's trace, keyed the same, reads it.
+static per layer structure and input shapes: the backward template rebuilds it in
+its own trace from an abstract trace of the forward (`layout`, no computation), and
+checks that the residuals it was given have the shapes and dtypes that layout says.
+
+What "dots" and "none" do not keep: `jax.checkpoint` regions inside the layer stay
+recomputed in its backward (the feed-forward chunks of `LlamaConfig.mlp_chunk`), as
+do the kernels with their own VJP (blockwise and cuDNN attention recompute their
+scores), and "dots" does not keep an MoE layer's expert matmuls (`ragged_dot`, not
+a `dot_general`).
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ def policy(recompute: str):
 
   Returns:
     A `jax.checkpoint_policies` policy, or None for "none".
+
+  Raises:
+    KeyError: another mode ("full" keeps no residual).
   """
   return {"dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
           "none": None}[recompute]
@@ -57,9 +67,11 @@ class Layout(NamedTuple):
     treedef: the vjp function's tree.
     slots: one per leaf: the index of a parameter leaf, `_INPUT` for the block
       input, or None for a kept residual (taken in order).
+    kept: the kept residuals' shapes and dtypes, in order.
   """
   treedef: Any
   slots: tuple
+  kept: tuple = ()
 
 
 def _layer_fn(cfg: LlamaConfig, window, pos, seg):
@@ -96,7 +108,38 @@ def forward(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, p
   where[id(x)] = _INPUT
   slots = tuple(where.get(id(leaf)) for leaf in leaves)
   kept = [leaf for leaf, s in zip(leaves, slots) if s is None]
-  return y, stats, kept, Layout(treedef, slots)
+  shapes = tuple((k.shape, jax.numpy.dtype(k.dtype)) for k in kept)
+  return y, stats, kept, Layout(treedef, slots, shapes)
+
+
+def layout(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, pos, seg
+           ) -> Layout:
+  """The `Layout` of `forward` for these arguments, from an abstract trace of it (no
+  computation), so that a backward rebuilds it in its own trace.
+
+  Args:
+    cfg: the model.
+    spec: the layer's flat layout.
+    window: its attention window.
+    recompute: "dots" or "none".
+    flat: its flat parameters (an array, a tracer or a ShapeDtypeStruct).
+    x: its input (likewise).
+    pos: positions or None.
+    seg: segment ids or None.
+
+  Returns:
+    The layout.
+  """
+  box = []
+
+  def kept_only(flat, x, pos, seg):
+    *_, kept, lay = forward(cfg, spec, window, recompute, flat, x, pos, seg)
+    box.append(lay)
+    return kept
+
+  S = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+  jax.eval_shape(kept_only, S(flat), S(x), S(pos), S(seg))
+  return box[0]
 
 
 def backward(spec: FlatSpec, layout: Layout, flat, x, kept, g, g_probs
@@ -114,7 +157,16 @@ def backward(spec: FlatSpec, layout: Layout, flat, x, kept, g, g_probs
 
   Returns:
     (the gradient of its flat parameters, of its input).
+
+  Raises:
+    ValueError: `kept` does not have the shapes and dtypes `layout` says.
   """
+  got = tuple((k.shape, jax.numpy.dtype(k.dtype)) for k in kept)
+  if got != layout.kept:
+    raise ValueError(f"A layer's kept residuals ({len(got)} arrays) do not match what its "
+                     f"forward keeps for these inputs ({len(layout.kept)}): the forward and "
+                     "backward templates ran on different shapes or dtypes. Use "
+                     "EngineConfig(recompute='full') and report this.")
   params = jax.tree.leaves(spec.unflatten(flat))
   rest = iter(kept)
   leaves = [next(rest) if s is None else x if s == _INPUT else params[s]

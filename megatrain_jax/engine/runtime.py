@@ -283,9 +283,9 @@ class Runtime:
     self.peak_bytes = max(self.peak_bytes, self.ledger.peak)
     act_d2h, act_h2d = now[4] - before[4], now[5] - before[5]
     self.last = {"step_time_s": t_end - t0, "wait_optimizer_s": t_end - t_compute,
-                 "h2d_bytes": self.count_fetches(step, input_bytes) + act_h2d,
+                 "h2d_bytes": self.count_fetches(step, input_bytes),
                  "h2d_s": now[1] - before[1], "d2h_s": now[2] - before[2],
-                 "host_opt_s": now[3] - before[3], "d2h_bytes": now[0] - before[0] + act_d2h,
+                 "host_opt_s": now[3] - before[3], "d2h_bytes": now[0] - before[0],
                  "activation_bytes": {"d2h": act_d2h, "h2d": act_h2d},
                  "device_peak_bytes": self.ledger.peak}
 

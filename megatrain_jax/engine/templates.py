@@ -84,7 +84,6 @@ class Templates:
     self._specs = (embed, head)
     self.cfg = cfg
     self.recompute = recompute
-    self._layouts: dict[tuple, residuals.Layout] = {}  # recorded by the forward's trace
     # An MoE layer's router gradient when no load-balancing loss is trained.
     self._no_g_probs = jnp.zeros((cfg.n_experts,), jnp.float32) if cfg.n_experts else None
     cd, tied, chunk = jnp.dtype(compute_dtype), cfg.tie_embeddings, loss_chunk_tokens
@@ -106,17 +105,11 @@ class Templates:
       g_flat, g_x = vjp((g, g_probs))
       return g_x, g_flat, all_finite(g_flat)
 
-    def layout_key(x, pos, seg, spec, window):
-      return (spec, window, x.shape, x.dtype, pos is None, seg is None)
-
     def block_fwd_keep(flat, x, pos, seg, spec, window):
-      y, stats, kept, layout = residuals.forward(cfg, spec, window, recompute, flat, x,
-                                                 pos, seg)
-      self._layouts[layout_key(x, pos, seg, spec, window)] = layout
-      return y, stats, kept
+      return residuals.forward(cfg, spec, window, recompute, flat, x, pos, seg)[:3]
 
     def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, spec, window):
-      layout = self._layouts[layout_key(x, pos, seg, spec, window)]
+      layout = residuals.layout(cfg, spec, window, recompute, flat, x, pos, seg)
       g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
       return g_x, g_flat, all_finite(g_flat)
 

@@ -211,11 +211,13 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
   tokens = batch_size * seq_len
   # Checkpoints sent to host memory cross the link once each way per micro-batch.
   moved = ec.grad_accum * memory.step_plan(cfg, ec, batch_size, seq_len).host_checkpoint_bytes
+  # Feed-forward chunks are recomputed inside their own jax.checkpoint whatever the
+  # mode; "dots" recomputes the attention scores and weighted values too.
+  ff = 6.0 * cfg.d_model * cfg.d_ff * cfg.n_layers if cfg.mlp_chunk else 0.0
   recompute = {"full": recompute_flops_per_token(cfg, seq_len)
                * (1 if ec.checkpoint_every == 1 else 2),
-               # The attention scores and weighted values (dots with batch dimensions).
-               "dots": 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim,
-               "none": 0.0}[ec.recompute]
+               "dots": 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim + ff,
+               "none": ff}[ec.recompute]
   flops = (model_flops_per_token(cfg, seq_len) + recompute) * tokens
   per_micro_calls = 3 + cfg.n_layers * (3 if ec.checkpoint_every == 1 else 4)
   b = step_bytes(cfg, ec)
@@ -230,8 +232,9 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
 
 def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: bool = True,
                   limit: int = 1 << 16) -> int:
-  """The largest batch (a multiple of grad_accum) whose device bytes, workspace
-  included, fit in `device_bytes`; 0 when not even one micro-batch fits.
+  """The largest batch (a multiple of grad_accum x data_parallel) whose device
+  bytes, workspace included, fit in `device_bytes`; 0 when not even one micro-batch
+  fits.
 
   Args:
     cfg: the model.
@@ -247,7 +250,7 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
   """
   fits = lambda b: (device_total(cfg, ec, b, seq_len, flash_attention,
                                 device_bytes)["total"] <= device_bytes)
-  step = ec.grad_accum
+  step = ec.grad_accum * max(ec.data_parallel, 1)  # micro-batches split over devices
   if not fits(step):
     return 0
   lo, hi = 1, 2
