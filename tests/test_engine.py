@@ -76,16 +76,15 @@ CASES = {
     "host_dots_moe": (MOE, ADAMW, dict(activations="host", recompute="dots")),
     "host_dots_prefetch0_clipped": (BASE, CLIPPED, dict(
         activations="host", recompute="dots", prefetch_depth=0)),
-    "host_none_accum_prefetch2": (BASE, ADAMW, dict(
-        activations="host", recompute="none", grad_accum=2, prefetch_depth=2)),
+    "host_none_accum_prefetch2_kept_copies": (BASE, ADAMW, dict(
+        activations="host", recompute="none", grad_accum=2, prefetch_depth=2,
+        stream_copy="keep")),
     "device_none_windows": (WINDOWED, ADAMW, dict(recompute="none")),
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),
     "clip_chain": (BASE, CLIPPED, {}),
     "fused_adamw_parts": (BASE, FUSED, dict(host_threads=3, host_chunk=64)),
-    "kept_copies": (BASE, ADAMW, dict(stream_copy="keep")),
-    "split_clip_fused": (BASE, SPLIT_CLIP, {}),
     "split_clip_fused_parts": (BASE, SPLIT_CLIP, dict(host_threads=2, host_chunk=100)),
     "split_clip_sgd_accum_tied": (BASE.replace(tie_embeddings=True), SPLIT_CLIP_SGD,
                                   dict(grad_accum=2)),

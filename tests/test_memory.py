@@ -46,9 +46,9 @@ CASES = {
                              dict(transport="slow", grad_accum=2)),
     "host_activations_slow": (CFG.replace(n_layers=6), dict(transport="slow_activations",
                                                             activations="host")),
-    "kept_residuals_host_slow": (CFG.replace(n_layers=6), dict(
-        transport="slow_activations", activations="host", recompute="none")),
-    "kept_matmuls_slow_link": (CFG, dict(transport="slow", recompute="dots")),
+    "kept_matmuls_host_slow": (CFG.replace(n_layers=6), dict(
+        transport="slow_activations", activations="host", recompute="dots")),
+    "kept_residuals_slow_link": (CFG, dict(transport="slow", recompute="none")),
 }
 TRANSPORTS = {"slow": _SlowGradients, "slow_activations": _SlowActivations}
 
