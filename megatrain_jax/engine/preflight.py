@@ -56,9 +56,10 @@ def device_budget_error(where: str, need: dict[str, int], limit: int,
       f"{where} needs about {need['total'] / unit:.3f} {scale} of device memory "
       f"({describe(need, unit)}), over the device limit of {limit / unit:.3f} {scale}. "
       "Lower the batch size or sequence length (or raise grad_accum), send the "
-      "checkpoints to host memory (activations='host' or 'auto'), lower "
-      "prefetch_depth or checkpoint_every, stream the embedding and head, or raise "
-      "the budget (device_budget_bytes).")
+      "checkpoints to host memory (activations='host' or 'auto'), keep fewer "
+      "residuals (recompute='dots' or 'full'), lower prefetch_depth or "
+      "checkpoint_every, stream the embedding and head, or raise the budget "
+      "(device_budget_bytes).")
 
 
 def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
