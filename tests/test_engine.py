@@ -71,11 +71,7 @@ CASES = {
     # Checkpoints in host memory, with each recompute mode: the backward recomputes
     # groups of layers, the matmul outputs are kept (and MoE router gradients flow
     # through the kept residuals), or every residual is kept.
-    "host_full_ckpt2_accum_prefetch0": (BASE, ADAMW, dict(
-        activations="host", checkpoint_every=2, grad_accum=2, prefetch_depth=0)),
     "host_dots_moe": (MOE, ADAMW, dict(activations="host", recompute="dots")),
-    "host_dots_prefetch0_clipped": (BASE, CLIPPED, dict(
-        activations="host", recompute="dots", prefetch_depth=0)),
     "host_none_accum_prefetch2_kept_copies": (BASE, ADAMW, dict(
         activations="host", recompute="none", grad_accum=2, prefetch_depth=2,
         stream_copy="keep")),
@@ -83,7 +79,8 @@ CASES = {
     # Deferred updates land after the step returns: the next step's resident copies
     # must be the updated ones.
     "resident_ends_whole_tree": (BASE, CLIPPED, dict(stream_embed_head=False)),
-    "clip_chain": (BASE, CLIPPED, {}),
+    "clip_chain_host_dots_prefetch0": (BASE, CLIPPED, dict(
+        activations="host", recompute="dots", prefetch_depth=0)),
     "fused_adamw_parts": (BASE, FUSED, dict(host_threads=3, host_chunk=64)),
     "split_clip_fused_parts": (BASE, SPLIT_CLIP, dict(host_threads=2, host_chunk=100)),
     "split_clip_sgd_accum_tied": (BASE.replace(tie_embeddings=True), SPLIT_CLIP_SGD,
@@ -91,8 +88,8 @@ CASES = {
     "fused_adamw_accum_tied": (BASE.replace(tie_embeddings=True), FUSED,
                                dict(grad_accum=2, prefetch_depth=1, host_threads=2,
                                     host_chunk=256)),
-    "clip_accum_ckpt2": (BASE.replace(tie_embeddings=True), CLIPPED,
-                         dict(grad_accum=2, checkpoint_every=2, prefetch_depth=1)),
+    "clip_accum_ckpt2_host_prefetch0": (BASE.replace(tie_embeddings=True), CLIPPED, dict(
+        grad_accum=2, checkpoint_every=2, prefetch_depth=0, activations="host")),
 }
 
 
