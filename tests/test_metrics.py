@@ -215,3 +215,11 @@ def test_template_profile_formula(monkeypatch):
   g_embed, ok = calls["out"][0]  # the templates ran through to the embedding's gradient
   assert g_embed.shape == (TINY.vocab_size * TINY.d_model,) and bool(ok)
   assert out["block_fwd_scratch_bytes"] > 0 and out["block_bwd_scratch_bytes"] > 0
+
+
+def test_a_child_measurement_returns_what_it_wrote_and_a_failure_is_raised():
+  from megatrain_jax.bench.timing import child_figures
+  code = "import json, sys; json.dump({'x': 2}, open(sys.argv[1], 'w'))"
+  assert child_figures(["-c", code], "test") == {"x": 2}
+  with pytest.raises(RuntimeError, match="(?s)The broken measurement failed:.*ZeroDivision"):
+    child_figures(["-c", "1 / 0"], "broken")

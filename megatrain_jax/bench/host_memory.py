@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-import json
 import os
 import resource
-import subprocess
-import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from megatrain_jax.bench.suite import Suite
-from megatrain_jax.bench.timing import synthetic_batch
+from megatrain_jax.bench.timing import child_figures, synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.models.config import preset
 from megatrain_jax.optim import adamw
@@ -70,16 +67,12 @@ def host_memory_run(model_name: str, stream_copy: str) -> dict[str, Any]:
     The child's figures.
 
   Raises:
-    RuntimeError: the child exits with an error or prints no result.
+    RuntimeError: the child exits with an error or writes no result.
   """
-  code = ("import json; from megatrain_jax.bench import host_memory as m; "
-          "print('RESULT ' + json.dumps(m.host_memory_child("
-          f"{model_name!r}, stream_copy={stream_copy!r})))")
-  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-  lines = [l for l in r.stdout.splitlines() if l.startswith("RESULT ")]
-  if r.returncode != 0 or not lines:
-    raise RuntimeError(f"host-memory measurement failed:\n{r.stderr[-3000:]}")
-  return json.loads(lines[-1][len("RESULT "):])
+  code = ("import json, sys; from megatrain_jax.bench import host_memory as m; "
+          "json.dump(m.host_memory_child("
+          f"{model_name!r}, stream_copy={stream_copy!r}), open(sys.argv[1], 'w'))")
+  return child_figures(["-c", code], "host-memory")
 
 
 def host_memory(s: Suite) -> dict[str, Any]:

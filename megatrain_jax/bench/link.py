@@ -79,9 +79,9 @@ def link_ratios(s: Suite) -> dict[str, Any]:
                         EngineConfig(transport=link(), activations="host")) as d:
     t = steady_step_times({"prefetch": a, "none": b, "deeper": c, "host": d}, batch, 1,
                           max(3, s.reps // 2))
-    h2d = {k: e.stats()["last_step"]["h2d_bytes"]
-           + e.stats()["last_step"].get("activation_bytes", {}).get("h2d", 0)
-           for k, e in (("device", a), ("host", d))}
+    last = {k: e.stats()["last_step"] for k, e in (("device", a), ("host", d))}
+    h2d = {k: v["h2d_bytes"] + v.get("activation_bytes", {}).get("h2d", 0)
+           for k, v in last.items()}
   return {
       "overlap_efficiency": max(compute, transfer) / t["prefetch"],
       "no_prefetch_over_prefetch": t["none"] / t["prefetch"],

@@ -2,7 +2,7 @@
 
 The 4 devices need a process started with
 `XLA_FLAGS=--xla_force_host_platform_device_count=4`, so the measurement runs in a
-child process (`python -m megatrain_jax.bench.scale_out '<json>'`). On the CPU
+child process (`python -m megatrain_jax.bench.scale_out '<json>' out.json`). On the CPU
 backend the 4 devices share this machine's cores: the ratio says what the
 collectives and the per-device copies cost there, not what 4 accelerators would
 gain.
@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 from typing import Any
+
+from megatrain_jax.bench.timing import child_figures, median_times, synthetic_batch
 
 DEVICES = 4
 
@@ -40,22 +41,13 @@ def scale_out(s) -> dict[str, Any]:
   flags = os.environ.get("XLA_FLAGS", "")
   env = {**os.environ,
          "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count={DEVICES}".strip()}
-  try:
-    proc = subprocess.run([sys.executable, "-m", "megatrain_jax.bench.scale_out",
-                           json.dumps(sizes)], env=env, capture_output=True, text=True,
-                          check=False, timeout=3600)
-  except subprocess.TimeoutExpired as e:
-    raise RuntimeError("The scale-out child took over an hour.") from e
-  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
-  if proc.returncode or not lines:
-    raise RuntimeError(f"The scale-out child failed:\n{proc.stderr[-3000:]}")
-  return json.loads(lines[-1][len("RESULT"):])
+  return child_figures(["-m", "megatrain_jax.bench.scale_out", json.dumps(sizes)],
+                       "scale-out", env=env)
 
 
 def _child(sizes: dict[str, Any]) -> dict[str, Any]:
   import jax  # pylint: disable=import-outside-toplevel
 
-  from megatrain_jax.bench.timing import median_times, synthetic_batch  # pylint: disable=import-outside-toplevel
   from megatrain_jax.engine import EngineConfig, StreamingTrainer  # pylint: disable=import-outside-toplevel
   from megatrain_jax.models.config import LlamaConfig  # pylint: disable=import-outside-toplevel
   from megatrain_jax.optim import adamw  # pylint: disable=import-outside-toplevel
@@ -79,4 +71,6 @@ def _child(sizes: dict[str, Any]) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-  print("RESULT" + json.dumps(_child(json.loads(sys.argv[1]))))
+  # argv: the sizes as JSON, the file the figures are written to.
+  with open(sys.argv[2], "w", encoding="utf-8") as f_out:
+    json.dump(_child(json.loads(sys.argv[1])), f_out)

@@ -8,7 +8,12 @@ compiling call is never timed).
 from __future__ import annotations
 
 import functools
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -137,3 +142,35 @@ def donated_triad() -> Callable:
 
 TRIAD_BYTES_PER_ELEMENT = 12  # read b, c; write a (fp32)
 ADAMW_BYTES_PER_PARAM = 28  # read p, g, m, v; write p, m, v (fp32)
+
+
+def child_figures(argv: list[str], what: str, env: dict[str, str] | None = None,
+                  timeout_s: float = 3600.0) -> dict[str, Any]:
+  """Runs a measurement in a fresh Python process and reads back its figures.
+
+  The child is `python <argv...> <path>`: it writes its figures as JSON to the path
+  given last (so nothing it logs can be mistaken for them).
+
+  Args:
+    argv: the child's arguments after the interpreter (e.g. ["-m", module, arg]).
+    what: the measurement's name, for errors.
+    env: the child's environment (default: this process's).
+    timeout_s: the longest the child may run.
+
+  Returns:
+    The figures the child wrote.
+
+  Raises:
+    RuntimeError: the child failed, wrote nothing, or ran over `timeout_s`.
+  """
+  with tempfile.TemporaryDirectory() as tmp:
+    out = os.path.join(tmp, "figures.json")
+    try:
+      r = subprocess.run([sys.executable, *argv, out], env=env, capture_output=True,
+                         text=True, check=False, timeout=timeout_s)
+    except subprocess.TimeoutExpired as e:
+      raise RuntimeError(f"The {what} measurement took over {timeout_s:.0f} s.") from e
+    if r.returncode or not os.path.exists(out):
+      raise RuntimeError(f"The {what} measurement failed:\n{r.stderr[-3000:]}")
+    with open(out, encoding="utf-8") as f:
+      return json.load(f)

@@ -4,7 +4,8 @@
 "data". It changes where bytes go, and nothing else in the engine:
 
   units      `h2d` puts each unit's streaming copy on every device of the mesh
-             (replicated: each device receives it over its own link);
+             (replicated; how PJRT routes the copies on an accelerator has not
+             been measured, only fake CPU devices);
   batches    `to_device` shards the token ids, labels and mask over "data", so
              each device computes its share of every micro-batch;
   gradients  the templates are the same jitted functions: XLA partitions them by
