@@ -8,7 +8,12 @@
 Writes <workdir>/metrics.jsonl (one JSON object per logged step), <workdir>/loss.png
 and checkpoints in <workdir>/checkpoints (every --save_every steps and at the end).
 Running the same command again resumes from the latest complete checkpoint. Every
-field of `TrainConfig` and of `EngineConfig` is a flag (`--help` lists them).
+field of `TrainConfig`, `EngineConfig` and `DistributedConfig` is a flag (`--help`
+lists them).
+
+Several processes (one per host; docs/scale_out.md): the same command in each, with
+  --coordinator_address=host0:1234 --num_processes=2 --process_id=0   (1 on the other)
+or none of these under SLURM or Open MPI, whose environment JAX reads.
 """
 
 import sys
@@ -16,11 +21,13 @@ import sys
 from absl import app, flags, logging
 
 from megatrain_jax import config_flags
+from megatrain_jax import distributed
 from megatrain_jax import train as train_lib
 from megatrain_jax.engine import EngineConfig, host_memory
 
 for _name in (config_flags.define_flags(train_lib.TrainConfig)
-              + config_flags.define_flags(EngineConfig)):
+              + config_flags.define_flags(EngineConfig)
+              + config_flags.define_flags(distributed.DistributedConfig)):
   flags.declare_key_flag(_name)
 FLAGS = flags.FLAGS
 
@@ -43,7 +50,8 @@ def main(argv):
     tc = train_lib.TrainConfig(**config_flags.from_flags(
         train_lib.TrainConfig, batch_size=_batch_size(str(FLAGS.batch_size)),
         engine_config=ec))
-    train_lib.run(tc)
+    dc = distributed.DistributedConfig(**config_flags.from_flags(distributed.DistributedConfig))
+    train_lib.run(tc, dc)
   except (ValueError, OSError) as e:
     # Bad input: the message alone (a misused flag still gets absl's flag listing).
     sys.exit(f"train.py: error: {e}")

@@ -18,6 +18,11 @@ position, the run's settings, the layout and a CRC-32 of every array).
   opens the directory.
 - The last `keep` complete checkpoints are kept.
 
+In a run of several processes every process holds the same state: process 0
+writes the checkpoint alone (Orbax restricted to it, so no barrier waits on the
+others, and nothing is written twice) and every process reads it back. The
+directory must be one that every process sees (a shared filesystem across hosts).
+
 `restore_latest` tries the newest complete checkpoint first; one that cannot be
 read back exactly (a missing or damaged file, a checksum mismatch) is skipped,
 with a warning, in favour of the previous one. One written by a run with
@@ -35,6 +40,7 @@ import time
 import zlib
 from typing import Any
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
@@ -74,6 +80,17 @@ def checksum(arr: np.ndarray) -> int:
   return zlib.crc32(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
+def _checkpointer() -> ocp.Checkpointer:
+  """Orbax for this process alone: in a run of several processes, no barrier of a
+  save (process 0) or a read (every process) waits on the others."""
+  if jax.process_count() == 1:
+    return ocp.PyTreeCheckpointer()
+  alone = ocp.options.MultiprocessingOptions(primary_host=jax.process_index(),
+                                             active_processes={jax.process_index()})
+  return ocp.Checkpointer(ocp.PyTreeCheckpointHandler(multiprocessing_options=alone),
+                          multiprocessing_options=alone)
+
+
 def _fsync_dir(path: str) -> None:
   fd = os.open(path, os.O_RDONLY)
   try:
@@ -107,10 +124,11 @@ class CheckpointManager:
     self.keep = keep
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
+    self.writes = jax.process_index() == 0  # the others' state is the same
     if _QUIET not in logging.get_absl_logger().filters:
       logging.get_absl_logger().addFilter(_QUIET)
     os.makedirs(directory, exist_ok=True)
-    for name in sorted(os.listdir(directory)):
+    for name in sorted(os.listdir(directory)) if self.writes else ():
       if name.startswith("step_") and not _STEP_RE.match(name):
         logging.warning("Removing %s: an incomplete checkpoint (a save was interrupted).",
                         os.path.join(directory, name))
@@ -147,6 +165,7 @@ class CheckpointManager:
 
     `meta` (JSON-serialisable: settings, data position) is stored beside it and
     compared on restore. A save waits for the previous one and raises its error.
+    In a run of several processes, only process 0 writes; the others return.
 
     Args:
       trainer: the trainer to save.
@@ -156,9 +175,12 @@ class CheckpointManager:
       CheckpointError: the previous save failed.
     """
     self.wait()
+    if not self.writes:
+      return
     step = trainer.step_count
     layout = trainer.state_layout()
-    meta = {"format": FORMAT_VERSION, "step": step, **_normalise(meta),
+    meta = {"format": FORMAT_VERSION, "step": step, "processes": jax.process_count(),
+            **_normalise(meta),
             "layout": {k: {a: [list(s), d] for a, (s, d) in v.items()}
                        for k, v in layout.items()}}
     snap = trainer.snapshot()  # from here on, the updates keep it for the writer
@@ -185,7 +207,7 @@ class CheckpointManager:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
-    checkpointer = ocp.PyTreeCheckpointer()
+    checkpointer = _checkpointer()
     sums, nbytes = {}, 0
     for key in snap.keys:
       if delay:
@@ -307,7 +329,7 @@ class CheckpointManager:
           "that wrote it, or use a new --workdir.")
 
   def _read(self, path: str, key: str, meta: dict) -> dict[str, np.ndarray]:
-    arrays = ocp.PyTreeCheckpointer().restore(os.path.join(path, key))
+    arrays = _checkpointer().restore(os.path.join(path, key))
     want = meta["layout"][key]
     if set(arrays) != set(want):
       raise CheckpointError(f"part {key} holds arrays {sorted(arrays)}, expected "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from typing import Any, Iterator, Mapping
 
 import jax.numpy as jnp
@@ -380,3 +381,27 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     json.dump(config, f, indent=2, sort_keys=True)
   logging.info("Wrote %s (%s, %d file(s)).", out_dir, config["architectures"][0],
                max(1, len(written)))
+
+
+# Files of a source checkpoint that a fine-tuned export carries over unchanged.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                   "special_tokens_map.json", "generation_config.json")
+
+
+def export(model_or_trainer, cfg: LlamaConfig, out_dir: str,
+           source_dir: str | None = None) -> None:
+  """`save_pretrained`, keeping a source checkpoint's architecture, config entries
+  and tokenizer files (a fine-tuned model that loads like its source).
+
+  Args:
+    model_or_trainer: as `save_pretrained`.
+    cfg: the model.
+    out_dir: where to write.
+    source_dir: the Hugging Face checkpoint the model was fine-tuned from, if any.
+  """
+  arch, extra = (read_config(source_dir)[1:] if source_dir else (None, None))
+  save_pretrained(model_or_trainer, cfg, out_dir, architecture=arch, extra_config=extra)
+  for name in TOKENIZER_FILES if source_dir else ():
+    src = os.path.join(source_dir, name)
+    if os.path.exists(src):
+      shutil.copyfile(src, os.path.join(out_dir, name))

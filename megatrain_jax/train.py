@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ from flax import nnx
 
 from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import data as data_lib
+from megatrain_jax import distributed
 from megatrain_jax import hf
 from megatrain_jax import planner
 from megatrain_jax import progress
@@ -51,6 +51,9 @@ class TrainConfig:
   engine: str = _field("streaming", "Trainer: the streaming engine, or the resident "
                        "reference (the whole model on the device).", choices=ENGINES)
   steps: int = _field(200, "Training steps.", low=1)
+  stop_after: int | None = _field(
+      None, "Stop after this many steps of this invocation, with a checkpoint (a cluster "
+      "job's time limit); the same command again continues the run.", low=1)
   batch_size: Any = _field(16, "Sequences per step, or 'auto': the largest the planner "
                            "says fits the device.", as_string=True)
   seq_len: int = _field(128, "Tokens per sequence.", low=1)
@@ -258,12 +261,14 @@ def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
   return batch
 
 
-def make_dataset(tc: TrainConfig, cfg: LlamaConfig) -> data_lib.PackedDataset:
+def make_dataset(tc: TrainConfig, cfg: LlamaConfig, share: tuple[int, int] = (0, 1)
+                 ) -> data_lib.PackedDataset:
   """Batches of `tc.data` in `tc.data_format`, tokenized for the model.
 
   Args:
     tc: the run.
     cfg: its model.
+    share: (this process's index, the number of processes): its rows of each batch.
 
   Returns:
     The dataset.
@@ -271,41 +276,22 @@ def make_dataset(tc: TrainConfig, cfg: LlamaConfig) -> data_lib.PackedDataset:
   Raises:
     ValueError: a tokenizer with more ids than the model's vocabulary, or bad data.
   """
-  tok = tc.tokenizer()
+  tok, kw = tc.tokenizer(), dict(process_index=share[0], process_count=share[1])
   if tok.vocab_size > cfg.vocab_size:
     raise ValueError(f"The tokenizer has {tok.vocab_size} ids but the model's vocab_size "
                      f"is {cfg.vocab_size}; use a larger model or the model's own tokenizer.")
   if tc.data_format in data_lib.INSTRUCT_FORMATS:
     convs = data_lib.read_conversations(tc.data, tc.data_format)
     rows = data_lib.build_sequences(convs, tok, tc.seq_len, tc.overlong, pack=tc.packs())
-    return data_lib.PackedDataset(rows[0], tc.batch_size, tc.seed, *rows[1:])
+    return data_lib.PackedDataset(rows[0], tc.batch_size, tc.seed, *rows[1:], **kw)
   docs = data_lib.read_documents(tc.data, max_bytes=tc.max_data_bytes,
                                  jsonl=True if tc.data_format == "jsonl" else None)
   if tc.packs():
     windows, segments = data_lib.pack(docs, tc.seq_len, tok, segments=True)
-    return data_lib.PackedDataset(windows, tc.batch_size, tc.seed, segments_NxT1=segments)
-  return data_lib.PackedDataset(data_lib.pack(docs, tc.seq_len, tok), tc.batch_size, tc.seed)
-
-
-def export(tc: TrainConfig, cfg: LlamaConfig, trainer) -> None:
-  """Writes the trained model to `tc.export_dir` in Hugging Face format, with the
-  source checkpoint's tokenizer files.
-
-  Args:
-    tc: the run.
-    cfg: its model.
-    trainer: the trained trainer.
-  """
-  arch, extra = None, None
-  if tc.hf_model_dir:
-    _, arch, extra = hf.read_config(tc.hf_model_dir)
-  hf.save_pretrained(trainer, cfg, tc.export_dir, architecture=arch, extra_config=extra)
-  if tc.hf_model_dir:
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                 "special_tokens_map.json", "generation_config.json"):
-      src = os.path.join(tc.hf_model_dir, name)
-      if os.path.exists(src):
-        shutil.copyfile(src, os.path.join(tc.export_dir, name))
+    return data_lib.PackedDataset(windows, tc.batch_size, tc.seed, segments_NxT1=segments,
+                                  **kw)
+  return data_lib.PackedDataset(data_lib.pack(docs, tc.seq_len, tok), tc.batch_size, tc.seed,
+                                **kw)
 
 
 def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
@@ -351,14 +337,19 @@ def checkpoint_settings(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str
   return {"model": model, "run": run}
 
 
-def run(tc: TrainConfig) -> list[dict[str, Any]]:
+def run(tc: TrainConfig, dc: distributed.DistributedConfig | None = None
+        ) -> list[dict[str, Any]]:
   """Trains as `tc` says; writes metrics.jsonl, loss.png and checkpoints in `tc.workdir`.
 
   Running it again with the same workdir resumes from the latest complete
   checkpoint; the steps after it are logged exactly as an uninterrupted run's.
+  In a run of several processes (`dc`, or a cluster launcher's environment) each
+  trains on its share of every batch; process 0 writes the checkpoints and the
+  export, process p > 0 its metrics in `<workdir>/process_<p>/`.
 
   Args:
     tc: the run.
+    dc: how this process joins a run of several (default: from the environment).
 
   Returns:
     The metrics records, one per logged step.
@@ -374,26 +365,36 @@ def run(tc: TrainConfig) -> list[dict[str, Any]]:
     # limit once. An automatic batch size is not known yet: its copies only.
     batch = 0 if tc.batch_size == "auto" else tc.batch_size
     pinned.configure(pinned.pinned_bytes(cfg, tc.engine_config, batch, tc.seq_len))
+  distributed.initialize(dc or distributed.DistributedConfig())
+  index, count = jax.process_index(), jax.process_count()
+  if count > 1 and tc.engine != "streaming":
+    raise ValueError(f"--engine={tc.engine} runs in one process; this run has {count}. Use "
+                     "--engine=streaming, or start one process.")
   if tc.batch_size == "auto":
-    tc = dataclasses.replace(tc, batch_size=auto_batch_size(tc, cfg))
-  dataset = make_dataset(tc, cfg)
+    tc = dataclasses.replace(tc, batch_size=auto_batch_size(tc, cfg) * count)
+  dataset = make_dataset(tc, cfg, (index, count))
   logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens%s; engine=%s.",
                tc.hf_model_dir or (tc.model if isinstance(tc.model, str) else "custom"),
                cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len,
                "" if dataset.non_padding is None else
                f", packed to {100 * dataset.non_padding:.1f}% non-padding tokens", tc.engine)
-  preflight(tc, cfg)
+  preflight(dataclasses.replace(tc, batch_size=tc.batch_size // count), cfg)
   os.makedirs(tc.workdir, exist_ok=True)
   trainer = make_trainer(tc, cfg)
   ckpt = (checkpoint_lib.CheckpointManager(os.path.join(tc.workdir, "checkpoints"), tc.keep)
           if tc.save_every else None)
+  if index:  # one checkpoint and one export for the run; each process's own metrics
+    tc = dataclasses.replace(tc, workdir=os.path.join(tc.workdir, f"process_{index}"),
+                             export_dir=None)
   metrics_path = os.path.join(tc.workdir, "metrics.jsonl")
   try:
     start = _resume(tc, cfg, trainer, ckpt, dataset, metrics_path)
+    distributed.check_same(start, "the step to resume from")
     if start < tc.steps:
-      _loop(tc, cfg, dataset, trainer, ckpt, start)
-      if tc.export_dir:
-        export(tc, cfg, trainer)
+      if _loop(tc, cfg, dataset, trainer, ckpt, start) < tc.steps:
+        logging.info("Stopped (--stop_after=%d); the same command continues.", tc.stop_after)
+      elif tc.export_dir:
+        hf.export(trainer, cfg, tc.export_dir, tc.hf_model_dir)
     else:
       logging.info("The checkpoint in %s is at step %d: training is complete "
                    "(--steps=%d). Use a new --workdir to train again.",
@@ -446,12 +447,14 @@ def _resume(tc, cfg, trainer, ckpt, dataset, metrics_path) -> int:
   return start
 
 
-def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int) -> None:
+def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int) -> int:
+  """Trains from step `start` to the last step or --stop_after; returns the last."""
   flops_per_token = metrics_lib.model_flops_per_token(cfg, tc.seq_len)
   settings = checkpoint_settings(tc, cfg)
   bar = progress.progress_bar(tc.steps, start) if tc.progress else None
+  stop = min(tc.steps, start + (tc.stop_after or tc.steps))
   with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer, progress.logs_around(bar):
-    for step in range(start + 1, tc.steps + 1):
+    for step in range(start + 1, stop + 1):
       batch = dataset.next_batch()
       t0 = time.perf_counter()
       m = trainer.step(batch)
@@ -459,7 +462,7 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
       if bar is not None:
         bar.update(1)
         bar.set_postfix(loss=f"{m['loss']:.3f}")
-      if step == 1 or step % tc.log_every == 0 or step == tc.steps:
+      if step == 1 or step % tc.log_every == 0 or step == stop:
         record = {"step": step, "loss": m["loss"], "grad_norm": m.get("grad_norm"),
                   "step_time_s": dt, "tokens_per_s": m["tokens"] / dt,
                   "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12}
@@ -470,10 +473,11 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
         writer.write(record)
         logging.info("step %d  loss %.4f  %.0f tok/s", step, m["loss"],
                      record["tokens_per_s"])
-      if ckpt is not None and (step % tc.save_every == 0 or step == tc.steps):
+      if ckpt is not None and (step % tc.save_every == 0 or step == stop):
         ckpt.save(trainer, {**settings,
                             "data_position": dataclasses.asdict(dataset.position)})
     if isinstance(trainer, StreamingTrainer):
       trainer.wait()  # the last step's last updates, and anything they found
   if bar is not None:
     bar.close()
+  return stop

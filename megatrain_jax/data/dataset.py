@@ -61,15 +61,27 @@ class PackedDataset:
   a partial last batch of an epoch is dropped. With segment ids, a batch also
   carries "segment_ids" and "positions" (restarting in each segment), and a
   label that starts a new segment is not trained (`data.packing`).
+
+  In a run of several processes, each one's dataset is built alike and returns its
+  own consecutive rows of every global batch (process 0 the first ones): the
+  position, saved in checkpoints, is the same in every process, so a resume
+  restores every share, and the global batches do not depend on the process count.
   """
 
   def __init__(self, windows_NxT1: np.ndarray, batch_size: int, seed: int,
                mask_NxT1: np.ndarray | None = None,
-               segments_NxT1: np.ndarray | None = None):
+               segments_NxT1: np.ndarray | None = None,
+               process_index: int = 0, process_count: int = 1):
     """`mask_NxT1` marks the tokens to train on (as labels); None trains on all.
-    `segments_NxT1` numbers the documents packed into each window; None: one."""
+    `segments_NxT1` numbers the documents packed into each window; None: one.
+    `batch_size` is the global batch, of which this process (`process_index` of
+    `process_count`) gets batch_size / process_count rows."""
     if batch_size <= 0:
       raise ValueError(f"batch_size must be positive, got {batch_size}.")
+    if batch_size % process_count or not 0 <= process_index < process_count:
+      raise ValueError(f"A global batch of {batch_size} does not split over "
+                       f"{process_count} processes (this is process {process_index}): make "
+                       f"--batch_size a multiple of {process_count}.")
     if len(windows_NxT1) < batch_size:
       raise ValueError(f"The data packs into {len(windows_NxT1)} sequences, fewer than "
                        f"one batch of {batch_size}; add data or lower --batch_size.")
@@ -82,6 +94,7 @@ class PackedDataset:
     self.segments = segments_NxT1
     self.batch_size = batch_size
     self.seed = seed
+    self.share = (process_index, process_count)
     self.position = DataPosition()
 
   @property
@@ -101,7 +114,8 @@ class PackedDataset:
     """The batch at `position`, which it then advances (into the next epoch if due).
 
     Returns:
-      "input_ids" and "labels" (int32, [batch_size, T]) and "loss_mask" (float32),
+      "input_ids" and "labels" (int32, [batch_size / process_count, T]: this
+      process's rows) and "loss_mask" (float32),
       the labels being the inputs shifted by one; with segments, "segment_ids"
       and "positions" (int32) too.
     """
@@ -111,6 +125,8 @@ class PackedDataset:
     rows = self._order(pos.epoch)[pos.index * self.batch_size:
                                   (pos.index + 1) * self.batch_size]
     pos.index += 1
+    index, count = self.share
+    rows = rows[index * len(rows) // count:(index + 1) * len(rows) // count]
     w = self.windows[rows]
     mask = (self.mask[rows][:, 1:] if self.mask is not None
             else np.ones(w[:, 1:].shape, np.float32))

@@ -18,7 +18,7 @@ from megatrain_jax.engine.probe import FAST_PATH, resolve_for_config
 from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.engine.templates import Templates
-from megatrain_jax.engine.mesh import MeshTransport, local_devices
+from megatrain_jax.engine.mesh import MeshTransport, mesh_devices
 from megatrain_jax.engine.transport import DeviceTransport, Transport
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
@@ -36,7 +36,7 @@ def host_units(cfg: LlamaConfig, key: jax.Array) -> Iterator[Any]:
   Yields:
     The unit trees: embed, each block, head.
   """
-  host = jax.devices("cpu")[0]
+  host = jax.local_devices(backend="cpu")[0]
   base = nnx.Rngs(params=key).params()  # the base key `Llama.__init__` draws
   init_block = jax.jit(lambda k, moe: llama.init_block(cfg, k, moe), static_argnums=1,
                        device=host)
@@ -127,13 +127,15 @@ def _transport(ec: EngineConfig) -> Transport:
     ValueError: fewer local devices than `data_parallel`, or a given transport
       over another number of devices.
   """
-  n = len(local_devices(ec.data_parallel))
+  devices = mesh_devices(ec.data_parallel)
+  n = len(devices)
   if ec.transport is None:
-    return MeshTransport(local_devices(n)) if n > 1 else DeviceTransport()
+    return MeshTransport(devices) if n > 1 else DeviceTransport()
   spans = getattr(getattr(ec.transport, "base", ec.transport), "n_devices", 1)
   if spans != n:
-    raise ValueError(f"EngineConfig.data_parallel={ec.data_parallel} ({n} device(s)) but "
-                     f"its transport spans {spans}: give a MeshTransport over {n} devices "
+    raise ValueError(f"EngineConfig.data_parallel={ec.data_parallel} ({n} device(s) in the "
+                     f"run) but its transport spans {spans}: give a MeshTransport over "
+                     f"{n} devices "
                      "(or SimulatedLink(gb_per_s, base=MeshTransport(...))), or set "
                      "data_parallel to match.")
   return ec.transport

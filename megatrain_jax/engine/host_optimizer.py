@@ -132,7 +132,7 @@ class HostOptimizer:
              for m in masters]
     resolution = resolve_mode(optimizer, [s.abstract() for s in specs], mode, assemble=list)
     return cls(resolution, specs, masters, compute_dtype,
-               host_device or jax.devices("cpu")[0], threads=threads, chunk=chunk,
+               host_device or jax.local_devices(backend="cpu")[0], threads=threads, chunk=chunk,
                assemble=list, split=list)
 
   # -- helpers ---------------------------------------------------------------

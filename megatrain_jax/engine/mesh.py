@@ -17,6 +17,14 @@
 So the host state, the host optimizer and the updates are exactly those of one
 device, and a step on N devices equals a step on one over the same global batch up
 to the order of the sums (tests/test_scale_out.py).
+
+Several processes (`jax.distributed`, see `megatrain_jax.distributed`): the mesh
+spans the first `data_parallel` local devices of every process, process by
+process. Each process sends its units to its own devices only
+(`jax.make_array_from_single_device_arrays`), gives its own rows of every batch
+(`jax.make_array_from_process_local_data`), and receives the all-reduced gradient
+on its first device; every process then applies the same update to its own copy
+of the host state (replicated, not partitioned).
 """
 
 from __future__ import annotations
@@ -25,11 +33,40 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 from megatrain_jax.engine.transport import DeviceTransport, _memory_kinds
 
 AXIS = "data"
 NamedSharding, P = jax.sharding.NamedSharding, jax.sharding.PartitionSpec
+SingleDeviceSharding = jax.sharding.SingleDeviceSharding
+
+
+def mesh_devices(n: int) -> list[jax.Device]:
+  """The first `n` local devices of every process (0: all), process by process.
+
+  Args:
+    n: devices per process.
+
+  Returns:
+    The devices; this process's alone in a one-process run.
+
+  Raises:
+    ValueError: this process, or another one, has fewer than `n`.
+  """
+  local = local_devices(n)
+  if jax.process_count() == 1:
+    return local
+  by_process: dict[int, list[jax.Device]] = {}
+  for d in jax.devices():
+    by_process.setdefault(d.process_index, []).append(d)
+  out = []
+  for p, devices in sorted(by_process.items()):
+    if len(devices) < len(local):
+      raise ValueError(f"Process {p} has {len(devices)} device(s) and this one uses "
+                       f"{len(local)}: give every process the same --data_parallel.")
+    out += sorted(devices, key=lambda d: d.id)[:len(local)]
+  return out
 
 
 def local_devices(n: int) -> list[jax.Device]:
@@ -68,16 +105,18 @@ class MeshTransport(DeviceTransport):
       ValueError: no device.
     """
     devices = list(jax.local_devices() if devices is None else devices)
-    if not devices:
-      raise ValueError("MeshTransport needs at least one device.")
-    super().__init__(devices[0], d2h_path)
-    self.devices = devices
+    mine = [d for d in devices if d.process_index == jax.process_index()]
+    if not mine:
+      raise ValueError("MeshTransport needs at least one device of this process.")
+    super().__init__(mine[0], d2h_path)
+    self.devices, self.local = devices, mine
     self.mesh = jax.sharding.Mesh(np.array(devices), (AXIS,))
-    kinds = _memory_kinds(devices[0])
+    kinds = _memory_kinds(mine[0])
     self._kind = "device" if "device" in kinds else None
     self._host_kind = "pinned_host" if "pinned_host" in kinds else None
     self.replicated = NamedSharding(self.mesh, P(), memory_kind=self._kind)
     self.split = NamedSharding(self.mesh, P(AXIS), memory_kind=self._kind)
+    self._each = [SingleDeviceSharding(d, memory_kind=self._kind) for d in mine]
 
   @property
   def n_devices(self) -> int:
@@ -93,7 +132,10 @@ class MeshTransport(DeviceTransport):
     Returns:
       The unit, replicated over the mesh in device memory.
     """
-    return jax.device_put(staged, self.replicated)
+    # One copy to each of this process's devices, joined into one global array
+    # (a `device_put` to the mesh's sharding cannot address other processes').
+    parts = jax.device_put([staged] * len(self._each), self._each)
+    return jax.make_array_from_single_device_arrays(staged.shape, self.replicated, parts)
 
   def h2d_cast(self, master, dtype):
     """Casts a master (on the CPU backend, into the first device; else on the host),
@@ -126,14 +168,28 @@ class MeshTransport(DeviceTransport):
     """Splits a batch array over the mesh's "data" axis.
 
     Args:
-      x: a numpy array whose first dimension divides by the device count (a 0-d
-        one is replicated).
+      x: this process's rows, a numpy array whose first dimension divides by its
+        device count (a 0-d one is replicated).
 
     Returns:
-      The sharded device array.
+      The sharded device array; its first dimension is every process's rows,
+      in process order.
     """
     x = np.asarray(x)
-    return jax.device_put(x, self.split if x.ndim else self.replicated)
+    return jax.make_array_from_process_local_data(self.split if x.ndim else self.replicated, x)
+
+  def global_sum(self, value):
+    """Sums a number over the processes (a collective: every process calls it).
+
+    Args:
+      value: this process's share.
+
+    Returns:
+      The sum over the processes, in process order.
+    """
+    if jax.process_count() == 1:
+      return value
+    return float(np.sum(multihost_utils.process_allgather(np.float32(value)), dtype=np.float64))
 
   def offload(self, device_array):
     """Moves an activation to pinned host memory, keeping its sharding.

@@ -8,7 +8,7 @@ budget check raises the same message (`device_budget_error`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import optax
@@ -122,17 +122,20 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   return out
 
 
-def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any
+def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any,
+               global_sum: Callable[[float], float] = float
                ) -> tuple[dict[str, Any], float, StepPlan]:
   """Checks a batch for a streaming step, and its shape against the device budget.
 
   Args:
     cfg: the model.
     ec: the engine config.
-    batch: {"input_ids", "labels", "loss_mask"}.
+    batch: {"input_ids", "labels", "loss_mask"}: this process's rows.
+    global_sum: sums a number over the run's processes (`Transport.global_sum`).
 
   Returns:
-    (the batch as host numpy arrays, its mask sum, its shape's `StepPlan`).
+    (the batch as host numpy arrays, the mask sum over every process's rows, its
+    shape's `StepPlan`).
 
   Raises:
     ValueError: a bad batch (see `check_batch`), a batch size grad_accum (times the
@@ -148,7 +151,7 @@ def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any
     raise ValueError(f"Batch size {b} does not split into grad_accum={ec.grad_accum} "
                      f"micro-batches over data_parallel={n} devices: make it a multiple "
                      f"of {ec.grad_accum * n}.")
-  total = float(batch["loss_mask"].sum())
+  total = global_sum(float(batch["loss_mask"].sum()))
   if total <= 0:
     raise ValueError("The batch's loss_mask is all zero: no token to train on.")
   need = device_bytes(cfg, ec, b, t)

@@ -163,7 +163,7 @@ class StreamingTrainer:
 
   def _prepare(self, batch):
     self._health.check_usable()
-    return preflight.check_step(self.cfg, self.config, batch)
+    return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum)
 
   def _sweep(self, batch, total: float, plan, guard, update: bool) -> float:
     self._rt.pipeline.check()  # a failure after the last step returned

@@ -125,6 +125,17 @@ class Transport(abc.ABC):
     host = SingleDeviceSharding(self.host_device)
     return self.h2d(self.stage(_cast_into(host, jnp.dtype(dtype))(master)))
 
+  def global_sum(self, value: float) -> float:
+    """A host number summed over every process of the run (token counts).
+
+    Args:
+      value: this process's share.
+
+    Returns:
+      The sum; `value` itself in a one-process run.
+    """
+    return value
+
   def stream_sharding(self) -> jax.sharding.Sharding | None:
     """Where the host optimizer may write streaming copies directly.
 
@@ -158,8 +169,8 @@ class DeviceTransport(Transport):
     """
     if d2h_path not in D2H_PATHS:
       raise ValueError(f"d2h_path={d2h_path!r} is not one of {D2H_PATHS}.")
-    self.device = device or jax.devices()[0]
-    self.host_device = jax.devices("cpu")[0]
+    self.device = device or jax.local_devices()[0]
+    self.host_device = jax.local_devices(backend="cpu")[0]
     kinds = _memory_kinds(self.device)
     self.on_device = SingleDeviceSharding(
         self.device, memory_kind="device" if "device" in kinds else None)
@@ -260,3 +271,6 @@ class SimulatedLink(Transport):
 
   def to_device(self, x):
     return self.base.to_device(x)
+
+  def global_sum(self, value):
+    return self.base.global_sum(value)
