@@ -3,6 +3,7 @@
   python experiments/plan.py --model=7b --hardware=h200 --batch_size=8 --seq_len=4096
   python experiments/plan.py --hf_config=path/to/config.json --hardware=gh200 --batch_size=auto
   python experiments/plan.py --model=small --hardware=measured   # calibrates this machine (~15 s)
+  python experiments/plan.py --model=70b --hosts=4 --data_parallel=8 --batch_size=64  # 32 devices
 
 Hardware: h200, gh200, h100_pcie, a100, rtx3090, rtx_a6000 (published peaks, sources in
 megatrain_jax/planner/hardware.py), or measured.
@@ -25,6 +26,9 @@ flags.DEFINE_enum("compute_dtype", "bfloat16", list(DTYPES), "Compute dtype.")
 flags.DEFINE_integer("prefetch_depth", 2, "Units fetched ahead.")
 flags.DEFINE_integer("checkpoint_every", 1, "Activation checkpoint every N layers.")
 flags.DEFINE_integer("grad_accum", 1, "Micro-batches per step.")
+flags.DEFINE_integer("data_parallel", 1, "Devices per host (the batch is split over all).",
+                     lower_bound=1)
+flags.DEFINE_integer("hosts", 1, "Hosts, each with the whole host state.", lower_bound=1)
 flags.DEFINE_enum("activations", "auto", list(ACTIVATIONS),
                   "Where activation checkpoints wait (auto: host when the device is short).")
 flags.DEFINE_enum("recompute", "full", list(RECOMPUTE),
@@ -50,17 +54,23 @@ def main(argv):
                        if FLAGS[k].value is not None})
   ec = EngineConfig(prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
                     compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum,
-                    activations=FLAGS.activations, recompute=FLAGS.recompute)
+                    activations=FLAGS.activations, recompute=FLAGS.recompute,
+                    data_parallel=FLAGS.data_parallel)
   opt = adamw(1e-4)
+  devices = FLAGS.data_parallel * FLAGS.hosts
   if FLAGS.batch_size == "auto":
     cfg = planner.fit_compute(cfg, ec, hw, ec.grad_accum, FLAGS.seq_len)
-    batch = planner.largest_batch(cfg, ec, hw.device_bytes, FLAGS.seq_len, hw.flash_attention)
+    batch = planner.largest_batch(cfg, ec, hw.device_bytes, FLAGS.seq_len, hw.flash_attention,
+                                  hosts=FLAGS.hosts)
     if batch == 0:
       raise app.UsageError(f"Not even one sequence of {FLAGS.seq_len} tokens fits {hw.name}.")
   else:
     batch = int(FLAGS.batch_size)
-    cfg = planner.fit_compute(cfg, ec, hw, batch, FLAGS.seq_len)
-  print(planner.plan(cfg, opt, ec, hw, batch, FLAGS.seq_len).table())  # the tool's output
+    if batch % devices:
+      raise app.UsageError(f"--batch_size={batch} does not split over {devices} devices.")
+    cfg = planner.fit_compute(cfg, ec, hw, batch // devices, FLAGS.seq_len)
+  plan = planner.plan(cfg, opt, ec, hw, batch, FLAGS.seq_len, hosts=FLAGS.hosts)
+  print(plan.table())  # the tool's output
 
 
 if __name__ == "__main__":

@@ -160,3 +160,28 @@ def test_the_plan_names_the_recompute_that_fits_and_is_fastest():
   options = planner.plan(cfg, ADAMW, ec, big, 8, 4096).recompute_options
   assert options["none"][0] and planner.fastest(options) == "none"
   assert "fastest recompute that fits" in p.table()
+
+
+def test_data_parallel_plan_is_per_host_and_per_device_with_the_all_reduce():
+  cfg = mt.preset("7b")
+  ec = mt.EngineConfig(compute_dtype="bfloat16")
+  hw = planner.PROFILES["h200"]
+  one = planner.plan(cfg, ADAMW, ec, hw, 4, 4096)
+  many = planner.plan(cfg, ADAMW, dataclasses.replace(ec, data_parallel=8), hw, 64, 4096,
+                      hosts=2)
+  # Each device holds what one device does with its 4 sequences; each host the state.
+  assert many.device == one.device and many.device_peak == one.device_peak
+  assert many.host["masters"] == one.host["masters"]
+  assert many.host["optimizer_state"] == one.host["optimizer_state"]
+  # The all-reduce of the bf16 gradient: inside each host over NVLink, then 1/8 of it
+  # between the hosts over each device's adapter.
+  grads = planner.step_bytes(cfg, ec)["d2h"]
+  want = (2 * 7 / 8 * grads / hw.interconnect_bytes_per_s
+          + 2 * 1 / 2 * grads / 8 / hw.network_bytes_per_s)
+  assert many.times["collectives"] == pytest.approx(want) and one.times["collectives"] == 0
+  assert many.times["compute"] == pytest.approx(one.times["compute"])
+  assert many.step_s == pytest.approx(one.step_s + want)  # compute-bound: it adds
+  assert many.tokens_per_s == pytest.approx(16 * 4 * 4096 / many.step_s)
+  assert many.largest_batch == 16 * one.largest_batch
+  with pytest.raises(ValueError, match="multiple of 16"):
+    planner.plan(cfg, ADAMW, dataclasses.replace(ec, data_parallel=8), hw, 20, 4096, hosts=2)

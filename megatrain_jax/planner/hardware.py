@@ -38,6 +38,9 @@ class Hardware:
     their times add instead of overlapping.
   call_overhead_s: host time per template call of a step (dispatch and the
     engine's per-unit bookkeeping); 0 in the measured profile, whose rate holds it.
+  interconnect_bytes_per_s: between two devices of one host, one direction (the
+    gradient all-reduce of data parallelism).
+  network_bytes_per_s: between hosts, per device, one direction.
   """
 
   name: str
@@ -52,6 +55,8 @@ class Hardware:
   call_overhead_s: float = 20e-6
   # Fused (flash) attention: the [T, T] probabilities never exist in device memory.
   flash_attention: bool = True
+  interconnect_bytes_per_s: float = 0.8 * 64 * GB
+  network_bytes_per_s: float = 0.8 * 50 * GB
   source: str = ""
 
   def flops_at(self, d_model: int) -> float:
@@ -77,27 +82,32 @@ class Hardware:
 
 
 def _published(name, peak_flops, link, device_bytes, host_bytes, host_opt, source,
-               mfu=0.6, d2h=None):
+               mfu=0.6, d2h=None, interconnect=None):
   return Hardware(name=name, layer_flops=((1, peak_flops * mfu),), h2d_bytes_per_s=link,
                   d2h_bytes_per_s=d2h or link, host_opt_bytes_per_s=host_opt,
                   device_bytes=device_bytes, host_bytes=host_bytes, peak_flops=peak_flops,
-                  source=source)
+                  interconnect_bytes_per_s=interconnect or link, source=source)
 
 
 # Dense BF16 tensor-core peaks and host links from the vendors' datasheets. The
 # compute time assumes 60% of peak on a streamed layer (`mfu`), PCIe links 80% of
 # their x16 rate. Host RAM and host-optimizer bandwidth are assumptions (marked).
+# Between devices of a host: NVLink where the part has it (900 GB/s total on
+# H100/H200 SXM, 450 GB/s each way), else the PCIe link; between hosts, for every
+# profile, an assumed 400 Gb/s InfiniBand NDR adapter per device at 80%.
 PROFILES: dict[str, Hardware] = {
     # NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense (1,979 with sparsity), 141 GB
     # HBM3e; PCIe Gen5 x16 64 GB/s per direction. Host: the paper's 1.5 TB server;
     # optimizer bandwidth assumed 200 GB/s (dual-socket DDR5, about half of peak).
     "h200": _published("H200 + 1.5 TB host", 989e12, 0.8 * 64 * GB, 141 * GB, 1500 * GB,
-                       200 * GB, "NVIDIA H200 datasheet; PCIe Gen5 x16; host assumed"),
+                       200 * GB, "NVIDIA H200 datasheet; PCIe Gen5 x16; host assumed",
+                       interconnect=450 * GB),
     # NVIDIA GH200 datasheet: H100-class GPU, 989 TFLOPS BF16 dense, 96 GB HBM3;
     # NVLink-C2C 900 GB/s total (450 GB/s each way); 480 GB LPDDR5X at up to 512 GB/s,
     # optimizer bandwidth assumed 250 GB/s.
     "gh200": _published("GH200 (NVLink-C2C)", 989e12, 450 * GB, 96 * GB, 480 * GB,
-                        250 * GB, "NVIDIA GH200 datasheet; host optimizer assumed"),
+                        250 * GB, "NVIDIA GH200 datasheet; host optimizer assumed",
+                        interconnect=450 * GB),
     # NVIDIA H100 PCIe datasheet: 756 TFLOPS BF16 dense, 80 GB; PCIe Gen5 x16.
     "h100_pcie": _published("H100 PCIe Gen5", 756e12, 0.8 * 64 * GB, 80 * GB, 512 * GB,
                             150 * GB, "NVIDIA H100 PCIe datasheet; host assumed"),
@@ -185,7 +195,7 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
                   device_bytes=platform.accelerator_bytes() or platform.available_host_bytes(),
                   host_bytes=platform.available_host_bytes(),
                   peak_flops=max(f for _, f in points), shared=shared,
-                  flash_attention=dev.platform != "cpu",
+                  flash_attention=dev.platform != "cpu", interconnect_bytes_per_s=h2d,
                   call_overhead_s=0.0, source="calibrated on this machine")
 
 

@@ -12,6 +12,15 @@
 - the bottleneck, and the break-even tokens per step at which the link stops
   limiting (compute time grows with tokens, transfer time does not).
 
+Data parallel (`ec.data_parallel` devices on each of `hosts` hosts): the batch is
+the global one, split evenly over every device; device bytes are one device's, host
+bytes one host's (each holds the whole state). Each device fetches every unit over
+its own link; gradients come back once per host. The all-reduce of each unit's
+gradient runs inside its backward, after the compute: a reduce-scatter and an
+all-gather between the devices of a host, 2 (D - 1) / D x the bytes over the
+interconnect, with an all-reduce of each device's 1/D between hosts, 2 (H - 1) / H
+x the bytes / D over each device's network adapter.
+
 The profiles are in `planner/hardware.py`.
 """
 
@@ -131,6 +140,8 @@ class Plan:
   hardware: str
   batch_size: int
   seq_len: int
+  hosts: int
+  devices_per_host: int
   params: int
   activations: str
   recompute: str
@@ -157,9 +168,12 @@ class Plan:
     Returns:
       One line per figure, names padded to a common width.
     """
+    devices = self.hosts * self.devices_per_host
     rows = [("hardware", self.hardware), ("parameters", f"{self.params / 1e9:.3f} B"),
             ("batch", f"{self.batch_size} x {self.seq_len} tokens"),
-            ("fits", "yes" if self.fits else "NO"),
+            ("devices", f"{self.hosts} host(s) x {self.devices_per_host}: "
+             f"{self.batch_size // devices} sequence(s) per device")]
+    rows += [("fits", "yes" if self.fits else "NO"),
             ("largest batch that fits", str(self.largest_batch)),
             ("activation checkpoints wait on", self.activations),
             ("recompute", self.recompute)]
@@ -169,10 +183,10 @@ class Plan:
             ("attention kernel", self.attention),
             ("feed-forward chunk", f"{self.mlp_chunk:,} tokens" if self.mlp_chunk
              else "whole sequence")]
-    rows += [(f"host: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.host.items()]
+    rows += [(f"host (each): {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.host.items()]
     rows += [(f"pinned host: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.pinned.items()]
     rows += [(f"{pinned_lib.ENV} (GPU)", str(pinned_lib.limit_for(self.pinned["total"])))]
-    rows += [(f"device: {k}", f"{v / 2**30:,.3f} GiB") for k, v in self.device.items()]
+    rows += [(f"device (each): {k}", f"{v / 2**30:,.3f} GiB") for k, v in self.device.items()]
     rows += [("device: predicted peak (ledger)", f"{self.device_peak / 2**30:,.3f} GiB")]
     rows += [(f"time: {k}", f"{v * 1e3:,.1f} ms") for k, v in self.times.items()]
     rows += [("step time", f"{self.step_s * 1e3:,.1f} ms"), ("bottleneck", self.bottleneck),
@@ -207,7 +221,28 @@ def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
   return {"h2d": ec.grad_accum * cd * fetched, "d2h": ec.grad_accum * grads, "host_opt": opt}
 
 
-def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, float]:
+def collective_s(grad_bytes: float, hw: Hardware, devices: int, hosts: int) -> float:
+  """The gradient all-reduce of one micro-batch (see the module docstring).
+
+  Args:
+    grad_bytes: the model's gradient, in the compute dtype.
+    hw: the hardware profile (its interconnect and network rates).
+    devices: devices per host.
+    hosts: hosts.
+
+  Returns:
+    Seconds; 0 for one device.
+  """
+  inside = 2 * (devices - 1) / devices * grad_bytes / hw.interconnect_bytes_per_s
+  between = 2 * (hosts - 1) / hosts * grad_bytes / devices / hw.network_bytes_per_s
+  return inside + between
+
+
+def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
+           ) -> dict[str, float]:
+  """Each resource's time for one step of one device's share of the batch."""
+  devices = max(ec.data_parallel, 1)
+  batch_size //= devices * hosts
   tokens = batch_size * seq_len
   # Checkpoints sent to host memory cross the link once each way per micro-batch.
   moved = ec.grad_accum * memory.step_plan(cfg, ec, batch_size, seq_len).host_checkpoint_bytes
@@ -227,14 +262,15 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int) -> dict[str, fl
       "h2d": (b["h2d"] + moved) / hw.h2d_bytes_per_s,
       "d2h": (b["d2h"] + moved) / hw.d2h_bytes_per_s,
       "host_opt": b["host_opt"] / hw.host_opt_bytes_per_s,
+      "collectives": collective_s(b["d2h"], hw, devices, hosts),
   }
 
 
 def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: bool = True,
-                  limit: int = 1 << 16) -> int:
-  """The largest batch (a multiple of grad_accum x data_parallel) whose device
-  bytes, workspace included, fit in `device_bytes`; 0 when not even one micro-batch
-  fits.
+                  limit: int = 1 << 16, hosts: int = 1) -> int:
+  """The largest global batch (a multiple of grad_accum x the devices) whose share
+  per device, workspace included, fits in `device_bytes`; 0 when not even one
+  micro-batch fits.
 
   Args:
     cfg: the model.
@@ -244,13 +280,15 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
     flash_attention: attention is fused (see `workspace_bytes`).
     limit: the batch is doubled only while it stays within this; the bisection
       after can pass it, staying below twice it.
+    hosts: hosts, each with `ec.data_parallel` devices.
 
   Returns:
     The batch size, or 0.
   """
-  fits = lambda b: (device_total(cfg, ec, b, seq_len, flash_attention,
+  devices = max(ec.data_parallel, 1) * hosts
+  fits = lambda b: (device_total(cfg, ec, b // devices, seq_len, flash_attention,
                                 device_bytes)["total"] <= device_bytes)
-  step = ec.grad_accum * max(ec.data_parallel, 1)  # micro-batches split over devices
+  step = ec.grad_accum * devices  # micro-batches split over devices
   if not fits(step):
     return 0
   lo, hi = 1, 2
@@ -263,47 +301,60 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
 
 
 def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hardware,
-         batch_size: int, seq_len: int) -> Plan:
+         batch_size: int, seq_len: int, hosts: int = 1) -> Plan:
   """Memory and step time of a streaming run on `hw` (see the module docstring).
 
   Args:
     cfg: the model.
     optimizer: the transform the engine runs (its state counts in the host bytes).
-    ec: the engine config.
-    hw: the hardware profile.
-    batch_size: sequences per step.
+    ec: the engine config (`data_parallel`: devices per host).
+    hw: the hardware profile (of one device and its host).
+    batch_size: sequences per step, over every device.
     seq_len: tokens per sequence.
+    hosts: hosts (processes), each with the whole host state.
 
   Returns:
     The plan.
+
+  Raises:
+    ValueError: a batch that does not split evenly over the devices.
   """
+  per_host = max(ec.data_parallel, 1)
+  devices = per_host * hosts
+  if batch_size % devices:
+    raise ValueError(f"A batch of {batch_size} does not split over {hosts} host(s) x "
+                     f"{per_host} device(s): make it a multiple of {devices}.")
   options = {}
   for m in RECOMPUTE:
     e = _evaluate(cfg, optimizer, dataclasses.replace(
         ec, recompute=m, checkpoint_every=ec.checkpoint_every if m == "full" else 1),
-        hw, batch_size, seq_len)
+        hw, batch_size, seq_len, hosts)
     options[m] = (e.fits, e.step_s)
-  ec = resolve(cfg, ec, batch_size, seq_len, hw.device_bytes, hw.flash_attention)
+  share = batch_size // devices
+  ec = resolve(cfg, ec, share, seq_len, hw.device_bytes, hw.flash_attention)
   dev, fits, step, t, bottleneck, host = _evaluate(cfg, optimizer, ec, hw, batch_size,
-                                                   seq_len)
+                                                   seq_len, hosts)
   sizes = memory.unit_sizes(cfg)
   tokens = batch_size * seq_len
-  per_token = (t["compute"]) / tokens
-  break_even = t["h2d"] / per_token if per_token > 0 else float("inf")
+  per_token = t["compute"] / (share * seq_len)  # each device computes its share
+  break_even = devices * t["h2d"] / per_token if per_token > 0 else float("inf")
   model_flops = model_flops_per_token(cfg, seq_len) * tokens
   return Plan(
-      hardware=hw.name, batch_size=batch_size, seq_len=seq_len, params=sum(sizes),
+      hardware=hw.name, batch_size=batch_size, seq_len=seq_len, hosts=hosts,
+      devices_per_host=per_host, params=sum(sizes),
       activations=ec.activations, recompute=ec.recompute, recompute_options=options,
       host=host, mlp_chunk=cfg.mlp_chunk,
       attention=layers.attention_kernel(cfg, ec.compute_dtype, False,
                                         _platform(hw.flash_attention)),
-      pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size, seq_len, on_cpu=hw.shared),
-      device=dev, device_peak=device_peak(cfg, ec, batch_size, seq_len),
+      pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size // hosts, seq_len,
+                                     on_cpu=hw.shared),
+      device=dev, device_peak=device_peak(cfg, ec, share, seq_len),
       fits=fits,
-      largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention),
+      largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention,
+                                  hosts=hosts),
       times=t, step_s=step, bottleneck=bottleneck, break_even_tokens=break_even,
       tokens_per_s=tokens / step, model_tflops_per_s=model_flops / step / TB,
-      mfu=model_flops / step / hw.peak_flops)
+      mfu=model_flops / step / (hw.peak_flops * devices))
 
 
 def fastest(options: dict[str, tuple[bool, float]]) -> str | None:
@@ -328,13 +379,14 @@ class _Evaluation(NamedTuple):
   host: dict[str, int]
 
 
-def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int
-              ) -> _Evaluation:
+def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int,
+              hosts: int = 1) -> _Evaluation:
   """Memory, fit and step time of one engine config (activations "auto" decided)."""
-  ec = resolve(cfg, ec, batch_size, seq_len, hw.device_bytes, hw.flash_attention)
-  host = memory.host_bytes(cfg, optimizer, ec, hw.shared, batch_size, seq_len)
-  dev = device_total(cfg, ec, batch_size, seq_len, hw.flash_attention)
-  t = _times(cfg, ec, hw, batch_size, seq_len)
+  per_device = batch_size // (max(ec.data_parallel, 1) * hosts)
+  ec = resolve(cfg, ec, per_device, seq_len, hw.device_bytes, hw.flash_attention)
+  host = memory.host_bytes(cfg, optimizer, ec, hw.shared, batch_size // hosts, seq_len)
+  dev = device_total(cfg, ec, per_device, seq_len, hw.flash_attention)
+  t = _times(cfg, ec, hw, batch_size, seq_len, hosts)
   sizes = memory.unit_sizes(cfg)
   cd = jnp.dtype(ec.compute_dtype).itemsize
   if hw.shared:
@@ -344,12 +396,16 @@ def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int
     # The first unit's fetch and the last unit's update cannot overlap anything.
     exposed = cd * sizes[0] / hw.h2d_bytes_per_s + t["host_opt"] * sizes[0] / sum(sizes)
     t["not_overlapped"] = exposed
+    device = t["compute"] + t["collectives"]  # the all-reduce runs inside the backward
     if ec.prefetch_depth == 0:  # each fetch waits for the previous compute: no overlap
-      step = max(t["compute"] + t["h2d"], t["d2h"], t["host_opt"]) + exposed
+      step = max(device + t["h2d"], t["d2h"], t["host_opt"]) + exposed
       bottleneck = "compute + h2d (no prefetch)"
     else:
-      step = max(t["compute"], t["h2d"], t["d2h"], t["host_opt"]) + exposed
-      bottleneck = max(("compute", "h2d", "d2h", "host_opt"), key=t.get)
+      busy = {"compute": device, "h2d": t["h2d"], "d2h": t["d2h"], "host_opt": t["host_opt"]}
+      step = max(busy.values()) + exposed
+      bottleneck = max(busy, key=busy.get)
+      if bottleneck == "compute" and t["collectives"] > 0:
+        bottleneck = "compute + collectives"
   host_need = host["total"] + (dev["total"] if hw.shared else 0)
   fits = host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes
   return _Evaluation(dev, fits, step, t, bottleneck, host)
