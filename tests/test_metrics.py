@@ -88,10 +88,23 @@ def test_host_optimizer_profile_formulas(monkeypatch):
     bench_opt.host_optimizer_profile(bench.Suite(opt_params=n, opt_slab=2 * n))
 
 
+def test_settled_timing_times_each_call_right_after_one_of_its_own(monkeypatch):
+  calls, clock = [], iter(range(1000))
+  monkeypatch.setattr(timing.time, "perf_counter", lambda: float(next(clock)))
+  fns = {k: (lambda k=k: calls.append(k)) for k in "ab"}
+  timing.median_times(fns, warmup=1, reps=2, settle=1)
+  # The warm-up round, then per round each fn twice in a row (the second one timed).
+  assert calls == ["a", "b"] + ["a", "a", "b", "b"] * 2
+  calls.clear()
+  timing.median_times(fns, warmup=0, reps=2)
+  assert calls == ["a", "b", "a", "b"]
+
+
 def test_step_ratio_formula(monkeypatch):
   monkeypatch.setattr(steps, "median_times",
-                      lambda fns, warmup, reps: {"stream": 3.0, "remat": 2.0, "plain": 1.5,
-                                                 "none": 1.65, "dots": 1.8})
+                      lambda fns, warmup, reps, settle=0: {
+                          "stream": 3.0, "remat": 2.0, "plain": 1.5, "none": 1.65,
+                          "dots": 1.8})
   suite = bench.Suite(model=TINY, batch_size=2, seq_len=8)
   out = steps.step_ratios(suite)
   assert out["stream_over_resident_remat"] == pytest.approx(1.5)
@@ -205,7 +218,7 @@ def test_run_suite_runs_the_named_parts_only(monkeypatch):
 def test_template_profile_formula(monkeypatch):
   calls = {}
 
-  def fake_median_times(fns, warmup, reps):
+  def fake_median_times(fns, warmup, reps, settle=0):
     calls["out"] = [jax.block_until_ready(fn()) for fn in fns.values()]  # both run
     return {"templates": 3.0, "remat": 2.0}
 

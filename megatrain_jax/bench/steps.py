@@ -46,7 +46,7 @@ def step_ratios(s: Suite, kept: tuple[str, ...] = ("none", "dots")) -> dict[str,
     t = median_times({**{k: (lambda e=e: (e.step(batch), e.wait()))
                          for k, e in engines.items()},
                       "remat": lambda: remat.step(batch),
-                      "plain": lambda: plain.step(batch)}, s.warmup, s.reps)
+                      "plain": lambda: plain.step(batch)}, s.warmup, s.reps, settle=1)
     stats = {k: e.stats() for k, e in engines.items()}
   st = stats["stream"]
   tokens = s.batch_size * s.seq_len
@@ -109,7 +109,7 @@ def template_times(s: Suite) -> dict[str, Any]:
       return tpl.embed_bwd(ids, g, g_e)
 
     t = median_times({"templates": templates, "remat": lambda: remat.step(batch)},
-                     s.warmup, s.reps)
+                     s.warmup, s.reps, settle=1)
     scratch = tpl.measure_scratch()  # the shape the templates just ran
   return {"templates_step_time_s": t["templates"],
           "templates_over_resident_remat": t["templates"] / t["remat"],

@@ -43,14 +43,19 @@ def synthetic_batch(cfg: LlamaConfig, batch_size: int, seq_len: int, seed: int =
           "loss_mask": np.ones((batch_size, seq_len), np.float32)}
 
 
-def median_times(fns: dict[str, Callable[[], Any]], warmup: int, reps: int
-                 ) -> dict[str, float]:
+def median_times(fns: dict[str, Callable[[], Any]], warmup: int, reps: int,
+                 settle: int = 0) -> dict[str, float]:
   """Median wall time of each fn, calls interleaved so drift hits all alike.
 
   Args:
     fns: name -> a call to time (its result is waited for).
     warmup: untimed rounds first.
     reps: timed rounds.
+    settle: untimed calls of the same fn right before each timed one. What one
+      program leaves behind can slow the next: on the CPU backend a streaming step
+      after a resident one ran 0.3 s faster than after itself, and a resident step
+      after a streaming one 0.6-0.9 s slower (the memory it maps afresh); with
+      `settle=1` each step is timed after itself, as in training.
 
   Returns:
     name -> median seconds.
@@ -61,6 +66,8 @@ def median_times(fns: dict[str, Callable[[], Any]], warmup: int, reps: int
   times = {k: [] for k in fns}
   for _ in range(reps):
     for k, fn in fns.items():
+      for _ in range(settle):
+        jax.block_until_ready(fn())
       t0 = time.perf_counter()
       jax.block_until_ready(fn())
       times[k].append(time.perf_counter() - t0)
