@@ -23,8 +23,10 @@ RECOMPUTE = ("full", "dots", "none")
 # Compute dtypes by name; masters and optimizer state are always fp32.
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Elements per step of the fused host AdamW's in-place loop: p, g, m and v of one
-# chunk (512 KiB at 2**15) stay in a core's L2 cache between reading and writing them.
-HOST_CHUNK = 2**15
+# chunk (4 MiB at 2**18) stay in the last-level cache between reading and writing
+# them, in few enough steps that the loop's own cost does not show
+# (docs/performance.md, "Host AdamW chunk size").
+HOST_CHUNK = 2**18
 # Gradients each engine queue holds at once (device -> host, then host -> optimizer):
 # a full queue makes the step wait, which bounds the gradients on the device.
 MAX_PENDING_GRADIENTS = 2
@@ -106,7 +108,7 @@ class EngineConfig:
       "(None: one per CPU this process may use).", low=1)
   host_chunk: int = _field(
       HOST_CHUNK, "Elements each host AdamW thread updates at a time (p, g, m, v of a "
-      "chunk should fit a core's L2 cache).", low=1)
+      "chunk should fit the last-level cache).", low=1)
   activations: str = _field(
       "auto", "Where the block inputs kept for the backward wait: device, host (pinned "
       "host memory, sent during the forward and fetched back ahead of the backward: "
