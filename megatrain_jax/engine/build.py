@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -110,7 +111,10 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                "kept" if keep else "made at each fetch")
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)
-  return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
+  rt = Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
+  # Once the trainer (closed or not) is collected, its host state's memory goes back.
+  weakref.finalize(rt, host_memory.trim_after_collection)
+  return schedule, templates, rt
 
 
 def _transport(ec: EngineConfig) -> Transport:
