@@ -9,6 +9,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from megatrain_jax.models import blockwise, rope
 from megatrain_jax.models.config import LlamaConfig
@@ -142,12 +143,104 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
                                       block_q=cfg.attention_block,
                                       block_k=cfg.attention_block)
   else:
-    mask = (None if segment_ids is None else
-            (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None])
-    o = jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True,
-        local_window_size=None if window is None else (window - 1, 0))
+    o = dense_attention(q, k, v, segment_ids, window)
   return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd))
+
+
+def _visible(t: int, segment_ids, window: int | None):
+  """Which key each query sees: causal, within the window, in its own segment."""
+  pos = jnp.arange(t)
+  mask = pos[:, None] >= pos[None, :]
+  if window is not None:
+    mask = mask & (pos[:, None] < pos[None, :] + window)
+  mask = mask[None, None, None]  # [1, 1, 1, T, S] against [B, K, G, T, S]
+  if segment_ids is not None:
+    mask = mask & (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None, None]
+  return mask
+
+
+def _scores(q_BxTxKxGxH, k_BxSxKxH, segment_ids, window):
+  scale = q_BxTxKxGxH.shape[-1] ** -0.5
+  logits = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
+                      preferred_element_type=jnp.float32) * jnp.float32(scale)
+  mask = _visible(q_BxTxKxGxH.shape[1], segment_ids, window)
+  logits = jnp.where(mask, logits, jnp.float32(-0.7 * jnp.finfo(jnp.float32).max))
+  return jax.nn.softmax(logits, axis=-1), scale
+
+
+def _grouped(q_BxTxNxH, n_kv: int):
+  b, t, n, h = q_BxTxNxH.shape
+  return q_BxTxNxH.reshape(b, t, n_kv, n // n_kv, h)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids, window: int | None):
+  """Causal grouped-query attention that forms the [T, S] scores, with a vjp that
+  keeps the attention probabilities and nothing else of that size.
+
+  Differentiating the softmax, the mask and the matmuls as written would keep the
+  scores' exp, their normalised form, the boolean mask and an array of zeros (four
+  [T, S] arrays per head); this keeps one. The backward is the textbook one:
+  dV = P^T dO, dS = P * (dP - rowsum(dP * P)) with dP = dO V^T, and dQ, dK from dS.
+
+  Args:
+    q_BxTxNxH: rotated queries.
+    k_BxSxKxH: rotated keys (K heads, N a multiple of K).
+    v_BxSxKxH: values.
+    segment_ids: int [B, T] (a query sees keys of its own segment) or None.
+    window: a sliding window's width, or None.
+
+  Returns:
+    The attention output, [B, T, N, H], in the queries' dtype.
+  """
+  return _attention_fwd(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids, window)[0]
+
+
+def _attention_fwd(q, k, v, segment_ids, window):
+  probs, _ = _scores(_grouped(q, k.shape[2]), k, segment_ids, window)
+  probs = probs.astype(v.dtype)
+  o = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(q.shape)
+  return o.astype(q.dtype), (q, k, v, segment_ids, probs)
+
+
+def _attention_bwd(window, res, g_BxTxNxH):
+  q, k, v, segment_ids, probs = res
+  n_kv = k.shape[2]
+  qg, gg = _grouped(q, n_kv), _grouped(g_BxTxNxH.astype(v.dtype), n_kv)
+  scale = q.shape[-1] ** -0.5
+  g_v = jnp.einsum("bkgts,btkgh->bskh", probs, gg)
+  g_p = jnp.einsum("btkgh,bskh->bkgts", gg, v, preferred_element_type=jnp.float32)
+  p32 = probs.astype(jnp.float32)
+  g_s = (p32 * (g_p - jnp.sum(g_p * p32, axis=-1, keepdims=True))
+         * jnp.float32(scale)).astype(q.dtype)
+  g_q = jnp.einsum("bkgts,bskh->btkgh", g_s, k).reshape(q.shape)
+  g_k = jnp.einsum("bkgts,btkgh->bskh", g_s, qg)
+  g_seg = None if segment_ids is None else np.zeros(segment_ids.shape, jax.dtypes.float0)
+  return g_q, g_k.astype(k.dtype), g_v.astype(v.dtype), g_seg
+
+
+dense_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@jax.custom_jvp
+def silu(x):
+  """x * sigmoid(x), as `jax.nn.silu`, whose derivative is one array: differentiating
+  the product as written keeps x, sigmoid(x) and 1 - sigmoid(x) for the backward.
+
+  Args:
+    x: any array.
+
+  Returns:
+    silu(x).
+  """
+  return x * jax.nn.sigmoid(x)
+
+
+@silu.defjvp
+def _silu_jvp(primals, tangents):
+  (x,), (t,) = primals, tangents
+  s = jax.nn.sigmoid(x)
+  return x * s, t * (s * (1 + x * (1 - s)))
 
 
 def mlp(p: Params, x_BxTxD):
@@ -160,7 +253,7 @@ def mlp(p: Params, x_BxTxD):
   Returns:
     The output, [B, T, D].
   """
-  return _dense(p["down"], jax.nn.silu(_dense(p["gate"], x_BxTxD))
+  return _dense(p["down"], silu(_dense(p["gate"], x_BxTxD))
                 * _dense(p["up"], x_BxTxD))
 
 
