@@ -149,13 +149,12 @@ def test_sixteen_layers_peak_near_four_and_the_bytes_moved_are_the_formula(recom
       stats = eng.stats()
     peaks[n] = stats["device_peak_bytes"]
     last, sched = stats["last_step"], memory.step_plan(cfg, ec, 8, 128).schedule
-    sizes = memory.unit_sizes(cfg)
     # Every checkpoint but the last layer's goes down once and comes up once: the
     # block input, with its kept matmul outputs for "dots".
     ckpt = 8 * 128 * 128 * 4 + residuals.kept_bytes(cfg, 0, recompute, 8, 128, "float32")
     assert ckpt <= residuals.checkpoint_bytes(cfg, ec, 8, 128)  # the model's bound
     assert last["activation_bytes"] == {"d2h": (n - 1) * ckpt, "h2d": (n - 1) * ckpt}
-    assert last["h2d_bytes"] == (4 * sum(sizes[u] for u in sched.fetch_order)
+    assert last["h2d_bytes"] == (sched.fetched_bytes(memory.unit_param_bytes(cfg, ec))
                                  + sum(v.nbytes for v in batch.values()))
     assert last["d2h_bytes"] == sum(memory.unit_grad_bytes(cfg, ec))
   assert peaks[16] <= 1.15 * peaks[4], peaks

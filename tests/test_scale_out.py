@@ -38,7 +38,14 @@ def run(n, **kw):
     # Between steps the next step's first units are on the device already: on
     # every device of the mesh.
     spread = max(len(a.sharding.device_set) for a in jax.live_arrays())
-    return loss0, grads, losses, eng.params(), {**eng.stats(), "spread": spread}
+    # What each device should move per step: every fetch of the schedule (each
+    # micro-batch) and the batch in, every unit's gradient (each micro-batch) out.
+    mem = mt.engine.memory
+    fetched = mem.step_plan(cfg, ec, 8, 16).schedule.fetched_bytes(mem.unit_param_bytes(cfg, ec))
+    formula = {"h2d": ec.grad_accum * fetched + sum(v.nbytes for v in b0.values()),
+               "d2h": ec.grad_accum * sum(mem.unit_grad_bytes(cfg, ec))}
+    return loss0, grads, losses, eng.params(), {**eng.stats(), "spread": spread,
+                                                "formula": formula}
 
 
 def rel(a, b):
@@ -57,7 +64,8 @@ for name, kw in (("dp4", {}), ("dp4_host_kept", dict(activations="host", recompu
                "losses": [got[2], one[2]], "param_rel": rel(got[3], one[3]),
                "devices": got[4]["data_parallel_devices"], "spread": got[4]["spread"],
                "h2d": [got[4]["last_step"]["h2d_bytes"], one[4]["last_step"]["h2d_bytes"]],
-               "d2h": [got[4]["last_step"]["d2h_bytes"], one[4]["last_step"]["d2h_bytes"]]}
+               "d2h": [got[4]["last_step"]["d2h_bytes"], one[4]["last_step"]["d2h_bytes"]],
+               "formula": [got[4]["formula"], one[4]["formula"]]}
 try:
   run(4, grad_accum=4)  # a batch of 8 does not split into 4 x 4
 except ValueError as e:
@@ -85,6 +93,9 @@ def test_four_devices_train_like_one_on_the_same_global_batch():
     # Each device receives what one device would, and each gradient comes back once.
     if name == "dp4":
       assert r["h2d"][0] == r["h2d"][1] and r["d2h"][0] == r["d2h"][1], r
+    if name in ("dp4", "dp2_accum"):  # and that is the formula (activations stay on the device)
+      for i in (0, 1):
+        assert [r["h2d"][i], r["d2h"][i]] == [r["formula"][i]["h2d"], r["formula"][i]["d2h"]], r
   assert "multiple of 16" in out["refused"]
 
 

@@ -105,6 +105,17 @@ class Schedule:
     """
     return self.slots + (self.start_buffers if position < self.start_positions else 0)
 
+  def fetched_bytes(self, unit_bytes: list[int]) -> int:
+    """Bytes one micro-batch's fetches move to each device.
+
+    Args:
+      unit_bytes: each unit's bytes as fetched (`memory.unit_param_bytes`).
+
+    Returns:
+      Their sum over `fetch_order`.
+    """
+    return sum(unit_bytes[u] for u in self.fetch_order)
+
   def update_order(self, deferred: bool) -> tuple[int, ...]:
     """Units in the order a step's updates change them.
 
