@@ -170,6 +170,17 @@ def test_kept_residuals_hold_activations_not_weights():
   assert residuals.kept_bytes(WIDE, 0, "full", 1, 2, "float32") == 0
 
 
+def test_recompute_none_keeps_one_score_sized_array_per_head():
+  # What grows with T^2 is the attention's: with c bytes per head and query-key pair,
+  # kept(T) - 2 kept(2T) + kept(3T) = 2 c T^2 (the constant and linear terms cancel).
+  # The probabilities alone are 4 bytes (fp32); the exp, the mask and a zeros array
+  # would add 9 more.
+  t = 32
+  kept = lambda n: residuals.kept_bytes(WIDE, 0, "none", 1, n, "float32")
+  per_pair = (kept(t) - 2 * kept(2 * t) + kept(3 * t)) / (2 * t * t)
+  assert per_pair == WIDE.n_heads * 4, per_pair
+
+
 def test_residuals_that_do_not_match_the_forward_are_refused():
   spec = mt.engine.FlatSpec(mt.models.llama.abstract_units(WIDE)[1])
   flat = jax.numpy.zeros((spec.size,), jax.numpy.float32)

@@ -1,4 +1,5 @@
-"""Blockwise attention against `jax.nn.dot_product_attention`, values and gradients (fp32)."""
+"""Blockwise and dense attention against `jax.nn.dot_product_attention`, values and
+gradients (fp32)."""
 
 import jax
 import jax.numpy as jnp
@@ -6,6 +7,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax.models.blockwise import blockwise_attention
+from megatrain_jax.models.layers import dense_attention
 
 
 def _reference(q, k, v, segment_ids=None, window=None):
@@ -59,6 +61,22 @@ def test_equals_dot_product_attention(name, shape, blocks, window, segments):
   ref = lambda q, k, v: _reference(q, k, v, seg, window)
   out, vjp = jax.vjp(f, q, k, v)
   want, ref_vjp = jax.vjp(ref, q, k, v)
+  _close(out, want)
+  for got_g, want_g in zip(vjp(do), ref_vjp(do)):
+    _close(got_g, want_g)
+
+
+@pytest.mark.parametrize("shape, window, segments", [
+    ((2, 32, 4, 4, 8), None, False), ((2, 32, 8, 2, 8), None, False),
+    ((2, 40, 4, 2, 8), 11, False), ((2, 45, 6, 3, 8), None, True),
+    ((2, 33, 4, 1, 8), 6, True),
+])
+def test_dense_attention_and_its_vjp_equal_dot_product_attention(shape, window, segments):
+  b, t, h, g, d = shape
+  q, k, v, do = _inputs(b, t, h, g, d, seed=1)
+  seg = _segments(b, t, seed=1) if segments else None
+  out, vjp = jax.vjp(lambda q, k, v: dense_attention(q, k, v, seg, window), q, k, v)
+  want, ref_vjp = jax.vjp(lambda q, k, v: _reference(q, k, v, seg, window), q, k, v)
   _close(out, want)
   for got_g, want_g in zip(vjp(do), ref_vjp(do)):
     _close(got_g, want_g)

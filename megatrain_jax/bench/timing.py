@@ -54,8 +54,9 @@ def median_times(fns: dict[str, Callable[[], Any]], warmup: int, reps: int,
     settle: untimed calls of the same fn right before each timed one. What one
       program leaves behind can slow the next: on the CPU backend a streaming step
       after a resident one ran 0.3 s faster than after itself, and a resident step
-      after a streaming one 0.6-0.9 s slower (the memory it maps afresh); with
-      `settle=1` each step is timed after itself, as in training.
+      after a streaming one 0.6-0.9 s slower; with `settle` >= 1 each step is timed
+      after its own, as in training. The step part uses 2: with 1, the streaming
+      step with recompute "none" took 3.48 s, with 2, 3.12 s (docs/performance.md).
 
   Returns:
     name -> median seconds.

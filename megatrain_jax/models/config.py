@@ -47,7 +47,7 @@ class LlamaConfig:
   `transformers` (`models.moe.aux_loss`).
 
   `attention_block` picks how attention is computed, not what: None runs
-  `jax.nn.dot_product_attention` (on the CPU backend it forms the T x T scores);
+  `layers.dense_attention` (it forms the T x T scores);
   an int runs `models.blockwise` with blocks of that many tokens, whose memory grows
   with T, not T^2. `mlp_chunk` runs a dense layer's norm and feed-forward that many
   tokens at a time, each chunk recomputed in the backward, so its d_ff-wide

@@ -80,8 +80,8 @@ def attention_kernel(cfg: LlamaConfig, dtype, segments: bool,
                      platform: str | None = None) -> str:
   """Which kernel computes attention (one of `ATTENTION_KERNELS`).
 
-  Without `cfg.attention_block`: "xla", `jax.nn.dot_product_attention`'s XLA path,
-  which forms the [T, T] scores. With it: "cudnn", the fused cuDNN kernel, on a GPU
+  Without `cfg.attention_block`: "xla", `dense_attention` (XLA's matmuls), which
+  forms the [T, T] scores. With it: "cudnn", the fused cuDNN kernel, on a GPU
   in bf16/fp16 with a head width of at most 128 (a multiple of 8) and no segment
   ids (its API takes no segment ids); else "blockwise" (`models.blockwise`), which
   runs anywhere, in any dtype, with segment ids.
@@ -165,7 +165,7 @@ def _scores(q_BxTxKxGxH, k_BxSxKxH, segment_ids, window):
                       preferred_element_type=jnp.float32) * jnp.float32(scale)
   mask = _visible(q_BxTxKxGxH.shape[1], segment_ids, window)
   logits = jnp.where(mask, logits, jnp.float32(-0.7 * jnp.finfo(jnp.float32).max))
-  return jax.nn.softmax(logits, axis=-1), scale
+  return jax.nn.softmax(logits, axis=-1)
 
 
 def _grouped(q_BxTxNxH, n_kv: int):
@@ -197,7 +197,7 @@ def dense_attention(q_BxTxNxH, k_BxSxKxH, v_BxSxKxH, segment_ids, window: int | 
 
 
 def _attention_fwd(q, k, v, segment_ids, window):
-  probs, _ = _scores(_grouped(q, k.shape[2]), k, segment_ids, window)
+  probs = _scores(_grouped(q, k.shape[2]), k, segment_ids, window)
   probs = probs.astype(v.dtype)
   o = jnp.einsum("bkgts,bskh->btkgh", probs, v).reshape(q.shape)
   return o.astype(q.dtype), (q, k, v, segment_ids, probs)

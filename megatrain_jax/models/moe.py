@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.layers import silu
 
 Params = dict[str, Any]
 
@@ -100,14 +101,14 @@ def moe_apply(cfg: LlamaConfig, p: Params, x_BxTxD) -> tuple[jax.Array, RouterSt
   sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
   rows = x_NxD[token]
   ex = p["experts"]
-  h = (jax.nn.silu(jax.lax.ragged_dot(rows, ex["gate"]["kernel"], sizes))
+  h = (silu(jax.lax.ragged_dot(rows, ex["gate"]["kernel"], sizes))
        * jax.lax.ragged_dot(rows, ex["up"]["kernel"], sizes))
   out = jax.lax.ragged_dot(h, ex["down"]["kernel"], sizes)
   out = out * top_w.reshape(-1)[order][:, None]
   y = jnp.zeros_like(x_NxD).at[token].add(out)
   if "shared" in p:
     sh = p["shared"]
-    shared = (jax.nn.silu(x_NxD @ sh["gate"]["kernel"]) * (x_NxD @ sh["up"]["kernel"])
+    shared = (silu(x_NxD @ sh["gate"]["kernel"]) * (x_NxD @ sh["up"]["kernel"])
               ) @ sh["down"]["kernel"]
     y = y + jax.nn.sigmoid(x_NxD @ p["shared_gate"]["kernel"]) * shared
   stats = RouterStats(jax.lax.stop_gradient(sizes.astype(jnp.float32)),
