@@ -5,16 +5,19 @@ so later unit-sized buffers come from heap arenas (one per thread), which keep
 freed memory instead of returning it. With several threads allocating and freeing
 unit-sized buffers every step, that retention measured +2.7 bytes per parameter of
 RSS on a 350M-parameter model after one step. Fixing the threshold
-(`MMAP_THRESHOLD`, 16 MiB) makes every buffer larger than it its own mapping,
-returned to the system when freed, and leaves the smaller ones to the arenas,
-which reuse them.
+(`MMAP_THRESHOLD`, 1 MiB) makes every larger buffer its own mapping, returned to the
+system when freed.
 
-Fresh mappings cost a page fault per 4 KiB page on first touch, and on a virtual
-machine each fault costs more again. The threshold is where the two costs meet:
-at 1 MiB every activation and residual of a small layer was a fresh mapping each
-step, and the streaming step with recompute "none" (d_model 512, 8 layers, 2K
-tokens, 2 cores) took 5.26 s against 3.55 s at 16 MiB, where the peak host bytes
-per parameter of the `300m` preset went from 13.52 to 13.77 (64 MiB: 14.93). On the CPU
+A higher threshold is faster on the CPU backend, where the device's buffers are
+malloc's too: at 16 MiB a small layer's activations and residuals are reused from
+the arenas, and the streaming step with recompute "none" (d_model 512, 8 layers,
+2K tokens, 2 cores) took 3.55 s against 5.26 s at 1 MiB. But the arenas then hold
+what they reuse: the `300m` preset's peak host bytes per parameter was 13.44-13.81
+in runs by itself and 14.92-16.98 inside the whole benchmark at 16 MiB, against
+13.4-13.7 at 1 MiB (docs/performance.md). Host memory is what this engine is about,
+so the threshold stays at 1 MiB.
+
+Fresh mappings cost a page fault per 4 KiB page on first touch. On the CPU
 backend XLA allocates every call's scratch with malloc (a block's backward at
 d_model 512 and 2K tokens: 232 MB), so an engine that runs one call per layer
 faults its scratch again in every call, where one jitted model step faults it
@@ -46,7 +49,7 @@ HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGE
 OPT_OUT = "MEGATRAIN_HUGE_PAGES"  # set to 0 to keep the process as started
 
 
-MMAP_THRESHOLD = 16 << 20
+MMAP_THRESHOLD = 1 << 20
 
 
 def return_freed_memory(threshold_bytes: int = MMAP_THRESHOLD) -> bool:
