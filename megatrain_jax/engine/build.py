@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from typing import Any, Callable, Iterable, Iterator
 
 import jax
@@ -111,10 +110,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                "kept" if keep else "made at each fetch")
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)
-  rt = Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
-  # Once the trainer (closed or not) is collected, its host state's memory goes back.
-  weakref.finalize(rt, host_memory.trim_after_collection)
-  return schedule, templates, rt
+  return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
 
 
 def _transport(ec: EngineConfig) -> Transport:

@@ -25,7 +25,7 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Elements per step of the fused host AdamW's in-place loop: p, g, m and v of one
 # chunk (4 MiB at 2**18) stay in the last-level cache between reading and writing
 # them, in few enough steps that the loop's own cost does not show
-# (docs/performance.md, "Host AdamW chunk size").
+# (the sweep in docs/performance.md, "Each step timed after its own").
 HOST_CHUNK = 2**18
 # Gradients each engine queue holds at once (device -> host, then host -> optimizer):
 # a full queue makes the step wait, which bounds the gradients on the device.

@@ -15,7 +15,8 @@ the arenas, and the streaming step with recompute "none" (d_model 512, 8 layers,
 what they reuse: the `300m` preset's peak host bytes per parameter was 13.44-13.81
 in runs by itself and 14.92-16.98 inside the whole benchmark at 16 MiB, against
 13.4-13.7 at 1 MiB (docs/performance.md). Host memory is what this engine is about,
-so the threshold stays at 1 MiB.
+so the threshold stays at 1 MiB. (A higher one would also leave a dropped trainer's
+smaller buffers in the arenas, to be returned with `malloc_trim`.)
 
 Fresh mappings cost a page fault per 4 KiB page on first touch. On the CPU
 backend XLA allocates every call's scratch with malloc (a block's backward at
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import os
 import platform
 import re
@@ -64,46 +64,18 @@ def return_freed_memory(threshold_bytes: int = MMAP_THRESHOLD) -> bool:
   global _done
   if _done:
     return True
-  libc = _glibc()
-  if libc is None or not libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)):
-    return False
-  _done = True
-  gc.callbacks.append(_trim_if_pending)
-  logging.info("malloc: buffers over %d KiB are mapped and returned when freed.",
-               threshold_bytes // 1024)
-  return True
-
-
-def _glibc():
   if platform.system() != "Linux":
-    return None
+    return False
   try:
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    libc.mallopt, libc.malloc_trim  # pylint: disable=pointless-statement
+    ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, int(threshold_bytes)))
   except (OSError, AttributeError):
-    return None
-  return libc
-
-
-_trim_pending = False
-
-
-def trim_after_collection() -> None:
-  """Asks for the memory the arenas hold free to go back to the system after the
-  garbage collector's next pass: a dropped trainer's host state below the mmap
-  threshold sits in the arenas once freed. Called when a trainer is collected.
-  """
-  global _trim_pending
-  _trim_pending = True
-
-
-def _trim_if_pending(phase: str, _info) -> None:
-  global _trim_pending
-  if phase == "stop" and _trim_pending:
-    _trim_pending = False
-    libc = _glibc()
-    if libc is not None:
-      libc.malloc_trim(0)
+    return False
+  if ok:
+    _done = True
+    logging.info("malloc: buffers over %d KiB are mapped and returned when freed.",
+                 threshold_bytes // 1024)
+  return ok
 
 
 def thp_mode(path: str = _THP_MODE_FILE) -> str | None:

@@ -159,10 +159,13 @@ def _visible(t: int, segment_ids, window: int | None):
   return mask
 
 
+def _scale(q):
+  return jnp.float32(q.shape[-1] ** -0.5)
+
+
 def _scores(q_BxTxKxGxH, k_BxSxKxH, segment_ids, window):
-  scale = q_BxTxKxGxH.shape[-1] ** -0.5
   logits = jnp.einsum("btkgh,bskh->bkgts", q_BxTxKxGxH, k_BxSxKxH,
-                      preferred_element_type=jnp.float32) * jnp.float32(scale)
+                      preferred_element_type=jnp.float32) * _scale(q_BxTxKxGxH)
   mask = _visible(q_BxTxKxGxH.shape[1], segment_ids, window)
   logits = jnp.where(mask, logits, jnp.float32(-0.7 * jnp.finfo(jnp.float32).max))
   return jax.nn.softmax(logits, axis=-1)
@@ -207,12 +210,11 @@ def _attention_bwd(window, res, g_BxTxNxH):
   q, k, v, segment_ids, probs = res
   n_kv = k.shape[2]
   qg, gg = _grouped(q, n_kv), _grouped(g_BxTxNxH.astype(v.dtype), n_kv)
-  scale = q.shape[-1] ** -0.5
   g_v = jnp.einsum("bkgts,btkgh->bskh", probs, gg)
   g_p = jnp.einsum("btkgh,bskh->bkgts", gg, v, preferred_element_type=jnp.float32)
   p32 = probs.astype(jnp.float32)
   g_s = (p32 * (g_p - jnp.sum(g_p * p32, axis=-1, keepdims=True))
-         * jnp.float32(scale)).astype(q.dtype)
+         * _scale(q)).astype(q.dtype)
   g_q = jnp.einsum("bkgts,bskh->btkgh", g_s, k).reshape(q.shape)
   g_k = jnp.einsum("bkgts,btkgh->bskh", g_s, qg)
   g_seg = None if segment_ids is None else np.zeros(segment_ids.shape, jax.dtypes.float0)
