@@ -190,3 +190,41 @@ def test_residuals_that_do_not_match_the_forward_are_refused():
   assert g_flat.shape == flat.shape and g_x.shape == x.shape
   with pytest.raises(ValueError, match="recompute='full'"):
     residuals.backward(spec, layout, flat, x, kept[::-1], y, None)
+
+
+def test_a_forward_given_buffers_writes_its_residuals_into_them():
+  cfg = CFG.replace(n_layers=1)
+  ec = mt.EngineConfig(recompute="none")
+  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    t = eng.templates
+    flat = eng.transport.h2d_cast(eng.host_optimizer.parts[1], jax.numpy.float32)
+    x = jax.random.normal(jax.random.key(1), (2, 64, cfg.d_model))
+    shapes = t.kept_shapes(flat, x, 0)
+    reuse = tuple(jax.numpy.zeros(s.shape, s.dtype) for s in shapes)
+    where = sorted(a.unsafe_buffer_pointer() for a in reuse)
+    y, _, kept = t.block_fwd_keep(flat, x, 0, reuse=reuse)
+    assert all(a.is_deleted() for a in reuse)  # donated
+    assert sorted(a.unsafe_buffer_pointer() for a in (y, *kept)) == where
+    y0, _, kept0 = t.block_fwd_keep(flat, x, 0, reuse=tuple(
+        jax.numpy.zeros(s.shape, s.dtype) for s in shapes))
+    for a, b in zip((y, *kept), (y0, *kept0)):
+      np.testing.assert_array_equal(a, b)
+
+
+def test_the_cpu_backend_step_reuses_the_residual_buffers_of_the_step_before():
+  # Every device buffer is a fresh allocation on the CPU backend; with recompute
+  # "none" the layers' inputs and residuals are written into last step's buffers,
+  # which wait on the device between steps (and the ledger counts them).
+  cfg = CFG.replace(n_layers=3)
+  ec = mt.EngineConfig(recompute="none")
+  ck = 4 * 64 * cfg.d_model * 4 + residuals.kept_bytes(cfg, 0, "none", 4, 64, "float32")
+  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    kept = []
+    for s in range(3):
+      eng.step(random_batch(cfg, 4, 64, seed=s))
+      eng.wait()
+      kept.append({a.unsafe_buffer_pointer(): a.nbytes for a in jax.live_arrays()
+                   if not a.is_deleted() and a.sharding.memory_kind == "device"})
+      assert eng.stats()["device_bytes"] >= cfg.n_layers * ck
+  same = sum(n for p, n in kept[2].items() if kept[1].get(p) == n)
+  assert same >= cfg.n_layers * ck, (same, ck)

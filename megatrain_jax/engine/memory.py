@@ -235,13 +235,16 @@ def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
       ec.compute_dtype).itemsize
 
 
-def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: int
-            ) -> dict[str, int]:
+def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: int,
+            pooled: bool) -> dict[str, int]:
   """The ledger's largest total over one micro-batch, by kind (see `step_plan`);
-  `act` is an activation's bytes, `ck` a checkpoint's."""
+  `act` is an activation's bytes, `ck` a checkpoint's; `pooled`: the step reuses
+  its kept residuals' buffers (`residuals.BufferPool`)."""
   unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
   if ec.activations == "host":
     ckpt = lambda n: min(n, HOST_CHECKPOINTS_ON_DEVICE) * ck
+  elif pooled:  # every layer's buffers stay on the device, in use or in the pool
+    ckpt = lambda n: len(sched.groups) * ck
   else:
     ckpt = lambda n: n * ck
   order = sched.fetch_order
@@ -288,7 +291,7 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: i
   groups = sched.groups
   L, c = sched.n_layers, groups[0][1] - groups[0][0]
   take(0)
-  at({"gradients_in_flight": sum(queue)})
+  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": sum(queue)})
   for i in range(L):
     take(1 + i)
     at({"activation_checkpoints": ckpt(i // c + 1), "activations": act,
@@ -321,13 +324,14 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: i
         send(new)
       else:
         layer0 = new  # held until the embedding's gradient has left
-  at({"activations": 2 * act, "gradients_in_flight": sum(queue) + layer0 + tied_g})
-  at({"gradients_in_flight": sum(queue) + layer0 + grad[0]})
+  at({"activation_checkpoints": ckpt(0), "activations": 2 * act,
+      "gradients_in_flight": sum(queue) + layer0 + tied_g})
+  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": sum(queue) + layer0 + grad[0]})
   return best
 
 
 def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
-              seq_len: int) -> StepPlan:
+              seq_len: int, platform: str | None = None) -> StepPlan:
   """The schedule and device peak of a step on batches [batch_size, seq_len].
 
   The peak replays one micro-batch as the trainer runs it: parameter buffers (at
@@ -341,13 +345,17 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   inside one call (e.g. a chunk of logits) is not in it. Extra start buffers
   (`EngineConfig.step_start_buffers`) are granted to as many of a micro-batch's
   first fetches as keep the peak where it is without them. `activations="auto"`
-  is resolved by `resolve_activations` against the budget or the accelerator.
+  is resolved by `resolve_activations` against the budget or the accelerator. On
+  the CPU backend, with recompute "dots" or "none" and the checkpoints on the
+  device, every layer's buffers stay on the device between steps
+  (`residuals.BufferPool`).
 
   Args:
     cfg: the model.
     ec: the engine config.
     batch_size: sequences per step (split into `ec.grad_accum` micro-batches).
     seq_len: tokens per sequence.
+    platform: the JAX platform the step runs on (None: this process's).
 
   Returns:
     The `StepPlan`.
@@ -357,7 +365,9 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   ec = dataclasses.replace(ec, transport=None)
   if ec.activations == "auto":
     ec = dataclasses.replace(ec, activations=_auto(cfg, ec, batch_size, seq_len))
-  return _step_plan(cfg, ec, batch_size, seq_len)
+  platform = platform or ("cpu" if on_cpu_backend() else "gpu")
+  pooled = residuals.pools_buffers(ec.recompute, ec.activations, platform)
+  return _step_plan(cfg, ec, batch_size, seq_len, pooled)
 
 
 def resolve_activations(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int,
@@ -394,18 +404,18 @@ def _auto(cfg, ec, batch_size, seq_len) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def _step_plan(cfg, ec, batch_size, seq_len) -> StepPlan:
+def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
   act = activation_bytes(cfg, ec, batch_size, seq_len)
   ck = residuals.checkpoint_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
   host_ckpts = (len(base.groups) - 1) * ck if ec.activations == "host" else 0
   plan = lambda sched, peak: StepPlan(sched, peak, ec.activations, host_ckpts)
-  peak = _replay(cfg, ec, base, act, ck)
+  peak = _replay(cfg, ec, base, act, ck, pooled)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
                 if u not in base.resident_units())
   for extra in range(ec.step_start_buffers, 0, -1):
     fits = lambda n: _replay(cfg, ec, dataclasses.replace(
-        base, start_buffers=extra, start_positions=n), act, ck)["total"] <= peak["total"]
+        base, start_buffers=extra, start_positions=n), act, ck, pooled)["total"] <= peak["total"]
     lo, hi = 0, forward  # the largest n that fits (fitting is monotone in n)
     while lo < hi:
       mid = (lo + hi + 1) // 2
@@ -433,7 +443,7 @@ def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   Returns:
     Bytes by kind and "total".
   """
-  out = {k: v for k, v in step_plan(cfg, ec, batch_size, seq_len).peak.items()
+  out = {k: v for k, v in step_plan(cfg, ec, batch_size, seq_len, platform).peak.items()
          if k != "total"}
   b = batch_size // ec.grad_accum
   chunk = ec.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size, b * seq_len)

@@ -21,6 +21,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.gradients import GradientPipeline, UpdateClock
 from megatrain_jax.engine.host_optimizer import HostOptimizer
 from megatrain_jax.engine.prefetch import Ledger, Prefetcher
+from megatrain_jax.engine.residuals import BufferPool
 from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.engine.state import CopyCounter, Snapshot
 from megatrain_jax.engine.store import UnitStore
@@ -45,6 +46,7 @@ class Runtime:
     """
     self.ec, self.schedule, self.host_opt, self.transport = ec, schedule, host_opt, transport
     self.cd = jnp.dtype(ec.compute_dtype)
+    self.platform = transport.device.platform
     self.ledger = Ledger()
     self.copies = CopyCounter()
     self.clock = UpdateClock(schedule.n_units)
@@ -72,6 +74,7 @@ class Runtime:
                                      self.ledger, self.defer, self.ec.timeout_s,
                                      self._grad_hook)
     self.activations = HostActivations(self.transport, self.ledger, self.ec.timeout_s)
+    self.pool = BufferPool(self.ledger)
     self.open = True  # from here on `shutdown` stops the threads
     try:
       self.store.place_resident(self.schedule.resident_units())
@@ -330,6 +333,7 @@ class Runtime:
     except BaseException as e:  # pylint: disable=broad-except
       error = e
     self.activations.close()
+    self.pool.clear()
     pipeline_error, prefetch_error = self.pipeline.close(), self.prefetcher.take_error()
     error = pipeline_error or prefetch_error or error
     self.store.free_device()

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from megatrain_jax.engine import residuals
 from megatrain_jax.engine.activations import tree_bytes
 from megatrain_jax.engine.memory import StepPlan
 from megatrain_jax.engine.nonfinite import StepGuard
@@ -86,6 +87,8 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   offload = rt.activations if host_checkpoints else None
   last_start = schedule.groups[-1][0] if schedule.groups else None
   keep = tpl.recompute != "full"  # every layer keeps its residuals (groups of one)
+  pool = rt.pool if residuals.pools_buffers(
+      tpl.recompute, "host" if host_checkpoints else "device", rt.platform) else None
 
   def checkpoint(i, saved):
     if offload is not None and i != last_start:
@@ -99,7 +102,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
       checkpoint(i, x)
     p, key = get(1 + i)
     if keep:
-      y, stats, kept = tpl.block_fwd_keep(p, x, i, **extra)
+      y, stats, kept = tpl.block_fwd_keep(p, x, i, **extra, reuse=_reuse(tpl, pool, p, x, i, extra))
       checkpoint(i, (x, kept))
       x = kept = None
     else:
@@ -143,6 +146,9 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
         (x_in, kept), xs[j] = xs[j], None
         g, g_p, finite = tpl.block_bwd_kept(params[j][0], x_in, kept, g, s + j, g_probs,
                                             **extra)
+        if pool is not None:  # the next forward of these shapes writes into them
+          ledger.remove(("ckpt", s))
+          pool.give((x_in, *kept))
         x_in = kept = None
       else:
         g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j, g_probs, **extra)
@@ -167,6 +173,15 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     send(1, *layer0)
   pf.job_done()  # no activation is left: the next job may use its start buffers
   return loss_sum, sum(v.nbytes for v in batch.values())
+
+
+def _reuse(tpl: Templates, pool, p, x, layer: int, extra: dict) -> tuple | None:
+  """Buffers for `block_fwd_keep` to write into: the pool's, or new ones when it has
+  none of these shapes (the first step), so that the template has one signature."""
+  if pool is None:
+    return None
+  shapes = tpl.kept_shapes(p, x, layer, **extra)
+  return pool.take(shapes) or tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
 
 
 def _load_balancing(cfg, router: list, tokens: int, scale: jax.Array

@@ -52,10 +52,12 @@ class Templates:
       forward is recomputed inside; `g_probs` is the gradient of an MoE layer's router
       probability sum (the load-balancing loss's; None for a dense layer);
       `finite` says whether g_flat is all finite.
-    block_fwd_keep(flat_b, x, layer) -> (x, stats, kept) and
+    block_fwd_keep(flat_b, x, layer, reuse=None) -> (x, stats, kept) and
     block_bwd_kept(flat_b, x, kept, g, layer, g_probs) -> (g_x, g_flat, finite):
       the same with `recompute` "dots" or "none": the forward returns the residuals
-      its backward needs (`engine.residuals`), and the backward runs no forward.
+      its backward needs (`engine.residuals`), and the backward runs no forward;
+      `reuse` (donated) gives the forward buffers to write its output and residuals
+      into (`residuals.BufferPool`).
     head(flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x, g_h, g_e,
       finite): final norm, LM head and chunked cross-entropy, value and gradient;
       the vjp is seeded with `scale` (1 / the batch's mask sum); g_e is the tied
@@ -80,6 +82,7 @@ class Templates:
     """
     self._counts: dict[str, int] = {}
     self._scratch: dict[tuple, dict[str, int]] = {}
+    self._kept_shapes: dict[tuple, tuple] = {}
     self._last_shape: tuple | None = None  # (x's shape, dtype, packed) of the last block
     self._specs = (embed, head)
     self.cfg = cfg
@@ -105,7 +108,8 @@ class Templates:
       g_flat, g_x = vjp((g, g_probs))
       return g_x, g_flat, all_finite(g_flat)
 
-    def block_fwd_keep(flat, x, pos, seg, spec, window):
+    def block_fwd_keep(flat, x, pos, seg, reuse, spec, window):
+      del reuse  # donated: XLA writes the outputs of its shapes into it
       return residuals.forward(cfg, spec, window, recompute, flat, x, pos, seg)[:3]
 
     def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, spec, window):
@@ -133,8 +137,10 @@ class Templates:
     self.embed_fwd = jax.jit(self._counted("embed_fwd", embed_fwd))
     self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(4, 5))
     self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=(6, 7))
+    # keep_unused: an argument that is not read is otherwise dropped, its donation too.
     self._block_fwd_keep = jax.jit(self._counted("block_fwd_keep", block_fwd_keep),
-                                   static_argnums=(4, 5))
+                                   static_argnums=(5, 6), donate_argnums=(4,),
+                                   keep_unused=True)
     self._block_bwd_kept = jax.jit(self._counted("block_bwd_kept", block_bwd_kept),
                                    static_argnums=(7, 8))
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
@@ -158,7 +164,8 @@ class Templates:
     return self._block_fwd(flat, x, positions, segment_ids, *self._kinds[layer])
 
   def block_fwd_keep(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
-                     segment_ids=None) -> tuple[jax.Array, Any, list]:
+                     segment_ids=None, reuse: tuple | None = None
+                     ) -> tuple[jax.Array, Any, list]:
     """Layer `layer`'s forward, keeping what its backward needs (recompute "dots"
     or "none").
 
@@ -168,13 +175,38 @@ class Templates:
       layer: its index (0-based).
       positions: as `block_fwd`.
       segment_ids: as `block_fwd`.
+      reuse: None, or arrays of the shapes `kept_shapes` gives, which are donated
+        (deleted): the output and the residuals are written into them.
 
     Returns:
       (its output, its `moe.RouterStats` or None, the kept residuals: a list of
       device arrays, no parameter among them).
     """
     self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
-    return self._block_fwd_keep(flat, x, positions, segment_ids, *self._kinds[layer])
+    return self._block_fwd_keep(flat, x, positions, segment_ids, reuse, *self._kinds[layer])
+
+  def kept_shapes(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
+                  segment_ids=None) -> tuple[jax.ShapeDtypeStruct, ...]:
+    """The shapes `block_fwd_keep` gives back for these arguments: its output's,
+    then each kept residual's (no computation; cached per layer structure and shape).
+
+    Args:
+      flat: as `block_fwd_keep`.
+      x: likewise.
+      layer: likewise.
+      positions: likewise.
+      segment_ids: likewise.
+
+    Returns:
+      The shapes and dtypes, in the order `reuse` takes them.
+    """
+    S = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
+    key = (self._kinds[layer], S(flat), S(x), S(positions), S(segment_ids))
+    if key not in self._kept_shapes:
+      spec, window = self._kinds[layer]
+      lay = residuals.layout(self.cfg, spec, window, self.recompute, *key[1:])
+      self._kept_shapes[key] = (key[2], *(jax.ShapeDtypeStruct(s, d) for s, d in lay.kept))
+    return self._kept_shapes[key]
 
   def block_bwd_kept(self, flat: jax.Array, x: jax.Array, kept: list, g: jax.Array,
                      layer: int, g_probs: jax.Array | None = None, positions=None,
@@ -282,7 +314,7 @@ class Templates:
         fwd.append(temp(self._block_fwd, flat, x, pos, seg, spec, window))
         bwd.append(temp(self._block_bwd, flat, x, x, g_probs, pos, seg, spec, window))
         continue
-      keep = self._block_fwd_keep.lower(flat, x, pos, seg, spec, window)
+      keep = self._block_fwd_keep.lower(flat, x, pos, seg, None, spec, window)
       fwd.append(getattr(keep.compile().memory_analysis(), "temp_size_in_bytes", None))
       kept = keep.out_info[2]
       bwd.append(temp(self._block_bwd_kept, flat, x, kept, x, g_probs, pos, seg, spec,

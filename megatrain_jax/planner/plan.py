@@ -48,7 +48,8 @@ TB = 1e12
 # Memory.
 # -----------------------------------------------------------------------------
 
-def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> int:
+def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
+                flash_attention: bool = True) -> int:
   """The device bytes the engine's ledger can peak at for this shape
   (`engine.memory.step_plan`, the one device model).
 
@@ -57,11 +58,13 @@ def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> int:
     ec: the engine config.
     batch_size: sequences per step.
     seq_len: tokens per sequence.
+    flash_attention: the hardware is a GPU (see `workspace_bytes`).
 
   Returns:
     The step plan's peak total, in bytes.
   """
-  return memory.step_plan(cfg, ec, batch_size, seq_len).peak["total"]
+  return memory.step_plan(cfg, ec, batch_size, seq_len,
+                          _platform(flash_attention)).peak["total"]
 
 
 def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
@@ -348,7 +351,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
                                         _platform(hw.flash_attention)),
       pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size // hosts, seq_len,
                                      on_cpu=hw.shared),
-      device=dev, device_peak=device_peak(cfg, ec, share, seq_len),
+      device=dev, device_peak=device_peak(cfg, ec, share, seq_len, hw.flash_attention),
       fits=fits,
       largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention,
                                   hosts=hosts),
