@@ -365,8 +365,10 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   ec = dataclasses.replace(ec, transport=None)
   if ec.activations == "auto":
     ec = dataclasses.replace(ec, activations=_auto(cfg, ec, batch_size, seq_len))
-  platform = platform or ("cpu" if on_cpu_backend() else "gpu")
-  pooled = residuals.pools_buffers(ec.recompute, ec.activations, platform)
+  # The platform is asked for only where it decides, so that a launcher counting
+  # pinned bytes before `jax.distributed.initialize` starts no backend.
+  pooled = residuals.pools_buffers(ec.recompute, ec.activations, "cpu") and (
+      platform or ("cpu" if on_cpu_backend() else "gpu")) == "cpu"
   return _step_plan(cfg, ec, batch_size, seq_len, pooled)
 
 
