@@ -28,9 +28,10 @@ def _train(cfg, steps=3, grad_hook=None, **kw):
     return losses, eng.params(), eng.stats()
 
 
-@pytest.mark.parametrize("kw", [dict(checkpoint_every=1),
-                                dict(checkpoint_every=2, grad_accum=2)],
-                         ids=["every_layer", "groups_accum"])
+@pytest.mark.parametrize("kw", [dict(checkpoint_every=1, device_checkpoints=1),
+                                dict(checkpoint_every=2, grad_accum=2, device_checkpoints=1),
+                                dict(checkpoint_every=1)],
+                         ids=["every_layer", "groups_accum", "last_ones_kept"])
 def test_host_checkpoints_give_the_same_step_bit_for_bit(kw):
   cfg = CFG.replace(n_layers=5)
   alive = []  # activation-shaped arrays in device memory when the head's gradient leaves
@@ -49,13 +50,20 @@ def test_host_checkpoints_give_the_same_step_bit_for_bit(kw):
   assert stats["activations"] == "host"
   groups = -(-5 // kw["checkpoint_every"])
   act = 4 // kw.get("grad_accum", 1) * 64 * cfg.d_model * 4
-  # All but the last group's input went out and came back, every micro-batch.
-  moved = 2 * kw.get("grad_accum", 1) * (groups - 1) * act
+  # All but the last group's input went out (or all but the last few that fit within
+  # the peak, by default) and came back, every micro-batch.
+  sent = stats["host_checkpoint_groups"]
+  if kw.get("device_checkpoints"):
+    assert sent == groups - kw["device_checkpoints"]
+  else:
+    plan = memory.step_plan(cfg, mt.EngineConfig(activations="host", **kw), 4, 64)
+    assert 0 < sent == len(plan.schedule.host_groups()) < groups - 1
+  moved = 2 * kw.get("grad_accum", 1) * sent * act
   assert stats["activation_bytes_moved"] == {"d2h": moved, "h2d": moved}
-  assert stats["host_activation_peak_bytes"] == (groups - 1) * act
+  assert stats["host_activation_peak_bytes"] == sent * act
   # Every checkpoint sent has left the device by the first step's head (nothing holds
   # it there; later heads may still see the arrays of the micro-batch before).
-  assert alive[0] - alive[len(alive) // 2] == groups - 1
+  assert alive[0] - alive[len(alive) // 2] == sent
 
 
 def test_the_device_peak_is_flat_in_depth():
@@ -114,7 +122,8 @@ class _Broken(transport_lib.DeviceTransport):
 @pytest.mark.parametrize("way, message", [("down", "pinned host memory exhausted"),
                                           ("up", "the link went away")])
 def test_a_failed_transfer_is_raised_in_the_caller_and_stops_the_thread(way, message):
-  ec = mt.EngineConfig(activations="host", transport=_Broken(way), timeout_s=10)
+  ec = mt.EngineConfig(activations="host", transport=_Broken(way), timeout_s=10,
+                       device_checkpoints=1)
   sent = []  # units whose gradient left the device
   eng = mt.StreamingTrainer.from_config(CFG.replace(n_layers=3), optax.sgd(0.1), ec,
                                         jax.random.key(0),
@@ -149,11 +158,14 @@ def test_sixteen_layers_peak_near_four_and_the_bytes_moved_are_the_formula(recom
       stats = eng.stats()
     peaks[n] = stats["device_peak_bytes"]
     last, sched = stats["last_step"], memory.step_plan(cfg, ec, 8, 128).schedule
-    # Every checkpoint but the last layer's goes down once and comes up once: the
-    # block input, with its kept matmul outputs for "dots".
+    # Every checkpoint but the last layers' (those that fit within the peak) goes
+    # down once and comes up once: the block input, with its kept matmul outputs
+    # for "dots".
     ckpt = 8 * 128 * 128 * 4 + residuals.kept_bytes(cfg, 0, recompute, 8, 128, "float32")
     assert ckpt <= residuals.checkpoint_bytes(cfg, ec, 8, 128)  # the model's bound
-    assert last["activation_bytes"] == {"d2h": (n - 1) * ckpt, "h2d": (n - 1) * ckpt}
+    sent = n - sched.device_checkpoints
+    assert sent == stats["host_checkpoint_groups"] > 0
+    assert last["activation_bytes"] == {"d2h": sent * ckpt, "h2d": sent * ckpt}
     assert last["h2d_bytes"] == (sched.fetched_bytes(memory.unit_param_bytes(cfg, ec))
                                  + sum(v.nbytes for v in batch.values()))
     assert last["d2h_bytes"] == sum(memory.unit_grad_bytes(cfg, ec))

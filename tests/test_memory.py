@@ -34,6 +34,10 @@ class _SlowActivations(transport_lib.DeviceTransport):
     return super().reload(host_array)
 
 
+class _SlowBoth(_SlowGradients, _SlowActivations):
+  """A full gradient queue while the checkpoints move."""
+
+
 CFG = TINY.replace(n_layers=4, vocab_size=512)
 CASES = {
     "default": (CFG, {}),
@@ -49,14 +53,17 @@ CASES = {
     "kept_matmuls_host_slow": (CFG.replace(n_layers=6), dict(
         transport="slow_activations", activations="host", recompute="dots")),
     "kept_residuals_slow_link": (CFG, dict(transport="slow", recompute="none")),
+    "host_activations_last_kept_slow": (TINY.replace(n_layers=8), dict(
+        transport="slow_both", activations="host")),
 }
-TRANSPORTS = {"slow": _SlowGradients, "slow_activations": _SlowActivations}
+TRANSPORTS = {"slow": _SlowGradients, "slow_activations": _SlowActivations,
+              "slow_both": _SlowBoth}
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_ledger_never_passes_the_model(name):
   cfg, kw = CASES[name]
-  slow = kw.get("transport") == "slow"
+  slow = kw.get("transport") in ("slow", "slow_both")
   ec = mt.EngineConfig(**{**kw, "transport": TRANSPORTS[kw["transport"]]()
                           if "transport" in kw else None})
   with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
@@ -84,6 +91,21 @@ def test_start_buffers_stay_within_the_peak_without_them():
     stats = eng.stats()
   assert stats["start_buffer_fetches"] > 0
   assert stats["device_peak_bytes"] <= without.peak["total"]
+
+
+def test_the_last_checkpoints_stay_on_the_device_within_the_peak():
+  # With the checkpoints in host memory, the last groups' inputs stay on the device
+  # as far as the peak with only the last one kept allows: no more, and more than one.
+  cfg = TINY.replace(n_layers=8)  # a small head: the peak is in the backward
+  plan = lambda k: memory.step_plan(cfg, mt.EngineConfig(activations="host",
+                                                         device_checkpoints=k), 4, 16)
+  auto, one = plan(None), plan(1)
+  k = auto.schedule.device_checkpoints
+  assert 1 < k < cfg.n_layers
+  assert auto.peak == one.peak
+  assert plan(k + 1).peak["total"] > one.peak["total"]
+  ck = 4 * 16 * cfg.d_model * 4
+  assert (one.host_checkpoint_bytes, auto.host_checkpoint_bytes) == (7 * ck, (8 - k) * ck)
 
 
 def test_the_budget_check_and_the_preflight_use_the_same_numbers():

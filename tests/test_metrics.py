@@ -1,9 +1,9 @@
 """Figures are computed from their stated formulas."""
 
-import types
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 import pytest
 
@@ -186,12 +186,21 @@ def test_steady_step_times_times_the_second_step_of_each_turn(monkeypatch):
 def test_host_bytes_per_param_formula(monkeypatch):
   # (peak RSS of the training process - RSS before the model existed) / parameters.
   monkeypatch.setattr(bench_memory, "rss_bytes", lambda: 1_000_000)
-  monkeypatch.setattr(bench_memory.resource, "getrusage",
-                      lambda who: types.SimpleNamespace(ru_maxrss=5_000))  # KiB
+  monkeypatch.setattr(bench_memory, "peak_rss_bytes", lambda: 5_120_000)
   out = bench_memory.host_memory_child("tiny", steps=1)
   n = preset("tiny").param_count()
   assert out["rss_param_count"] == n
-  assert out["host_bytes_per_param"] == (5_000 * 1024 - 1_000_000) / n
+  assert out["host_bytes_per_param"] == (5_120_000 - 1_000_000) / n
+
+
+def test_a_child_measures_its_own_peak_not_its_parents():
+  # The host-memory figure runs in a child of the benchmark; a parent that had used
+  # 1 GiB more than the child ever does must not show in the child's peak.
+  big = np.ones(2**27)  # 1 GiB, touched
+  code = ("import json, sys; from megatrain_jax.bench import host_memory as m; "
+          "json.dump({'peak': m.peak_rss_bytes()}, open(sys.argv[1], 'w'))")
+  peak = timing.child_figures(["-c", code], "peak")["peak"]
+  assert 0 < peak < big.nbytes // 2, peak
 
 
 def test_host_memory_reports_both_streaming_copy_settings(monkeypatch):

@@ -26,6 +26,26 @@ def rss_bytes() -> int:
     return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rss_bytes() -> int:
+  """This process's peak resident memory since it started its program.
+
+  Read from VmHWM in /proc/self/status. `getrusage`'s ru_maxrss would not do for a
+  child process: Linux carries the parent's peak across fork and exec into it, so
+  a child started by a process that had used 5 GB reports at least 5 GB.
+
+  Returns:
+    Peak resident bytes (ru_maxrss where /proc is missing).
+  """
+  try:
+    with open("/proc/self/status") as f:
+      for line in f:
+        if line.startswith("VmHWM:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
                       ) -> dict[str, Any]:
   """Run in a fresh process: peak RSS of training `model_name`, per parameter.
@@ -51,7 +71,7 @@ def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
     for _ in range(steps):
       eng.step(batch)
     n = eng.stats()["param_count"]
-  peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  peak = peak_rss_bytes()
   return {"host_bytes_per_param": (peak - base) / n, "rss_model": model_name,
           "rss_param_count": n, "rss_peak_bytes": peak, "rss_baseline_bytes": base}
 

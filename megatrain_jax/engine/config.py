@@ -125,6 +125,11 @@ class EngineConfig:
       "goes to each of them, XLA sums the gradients across them inside the "
       "templates, and each gradient comes back once (engine/mesh.py). 0: all local "
       "devices. The batch must divide by it times grad_accum.", low=0)
+  device_checkpoints: int | None = _field(
+      None, "With activations=host: how many of the last checkpoint groups stay on the "
+      "device (the backward needs them first, so sending them out and back would "
+      "only cost link time). None: as many as fit within the step's device peak "
+      "with only the last one kept, at least 1.", low=1)
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "

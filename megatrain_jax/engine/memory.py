@@ -29,7 +29,8 @@ from megatrain_jax.models.loss import default_chunk_tokens
 
 GiB = 2**30
 # Checkpoints on the device at once when they wait in host memory: the group being
-# worked on and the one moving (out during the forward, in ahead of the backward).
+# worked on and the one moving (out during the forward, in ahead of the backward),
+# besides the last groups' inputs, which stay (`Schedule.device_checkpoints`).
 HOST_CHECKPOINTS_ON_DEVICE = 2
 
 
@@ -235,6 +236,20 @@ def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
       ec.compute_dtype).itemsize
 
 
+def _host_checkpoints_on_device(n: int, groups: int, kept: int, phase: str) -> int:
+  """Checkpoints on the device while `n` groups' inputs exist (in the forward, at
+  the head, or in the backward), with activations in host memory and the last
+  `kept` groups' inputs staying on the device."""
+  stay = max(0, n - (groups - kept))
+  sent = n - stay
+  if not stay:  # the group worked on, and one moving (out, or in ahead of it)
+    return min(sent, HOST_CHECKPOINTS_ON_DEVICE)
+  if phase == "forward" or (phase == "backward" and stay == 1):
+    return stay + min(sent, 1)  # the last one sent may still be leaving, or the
+    # next one is coming in while the lowest kept group runs
+  return stay  # at the head every copy out has arrived, and nothing comes in yet
+
+
 def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: int,
             pooled: bool) -> dict[str, int]:
   """The ledger's largest total over one micro-batch, by kind (see `step_plan`);
@@ -242,11 +257,12 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: i
   its kept residuals' buffers (`residuals.BufferPool`)."""
   unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
   if ec.activations == "host":
-    ckpt = lambda n: min(n, HOST_CHECKPOINTS_ON_DEVICE) * ck
+    ckpt = lambda n, phase="forward": _host_checkpoints_on_device(
+        n, len(sched.groups), sched.device_checkpoints, phase) * ck
   elif pooled:  # every layer's buffers stay on the device, in use or in the pool
-    ckpt = lambda n: len(sched.groups) * ck
+    ckpt = lambda n, phase="forward": len(sched.groups) * ck
   else:
-    ckpt = lambda n: n * ck
+    ckpt = lambda n, phase="forward": n * ck
   order = sched.fetch_order
   both = order + order  # this micro-batch's fetches, then the next one's
   widest = max(sched.limit(q) for q in range(len(order))) if order else 0
@@ -299,7 +315,7 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: i
   take(sched.head)
   if sched.tied:
     take(0)
-  ckpts = ckpt(len(groups))
+  ckpts = ckpt(len(groups), "head")
   at({"activation_checkpoints": ckpts, "activations": act,
       "gradients_in_flight": sum(queue)})
   at({"activation_checkpoints": ckpts, "activations": 2 * act,
@@ -307,7 +323,7 @@ def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: i
   send(grad[sched.head])
   layer0 = 0
   for gi, (s, e) in enumerate(reversed(groups)):
-    ckpts = ckpt(len(groups) - gi)
+    ckpts = ckpt(len(groups) - gi, "backward")
     for i in range(s, e):
       take(1 + i)
     for j in range(e - s - 1):  # the group's inputs, recomputed
@@ -410,21 +426,34 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
   act = activation_bytes(cfg, ec, batch_size, seq_len)
   ck = residuals.checkpoint_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
-  host_ckpts = (len(base.groups) - 1) * ck if ec.activations == "host" else 0
-  plan = lambda sched, peak: StepPlan(sched, peak, ec.activations, host_ckpts)
   peak = _replay(cfg, ec, base, act, ck, pooled)
+  if ec.activations == "host" and ec.device_checkpoints is None:
+    # Keep on the device the most last groups' inputs that leave the peak as it is
+    # with only the last one kept: each one kept is a checkpoint the link does not
+    # carry twice. (The peak grows with the number kept, so bisect.)
+    fits = lambda k: _replay(cfg, ec, dataclasses.replace(base, device_checkpoints=k),
+                             act, ck, pooled)["total"] <= peak["total"]
+    base = dataclasses.replace(base, device_checkpoints=_largest(fits, 1, len(base.groups)))
+  host_ckpts = len(base.host_groups()) * ck if ec.activations == "host" else 0
+  plan = lambda sched, peak: StepPlan(sched, peak, ec.activations, host_ckpts)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
                 if u not in base.resident_units())
   for extra in range(ec.step_start_buffers, 0, -1):
     fits = lambda n: _replay(cfg, ec, dataclasses.replace(
         base, start_buffers=extra, start_positions=n), act, ck, pooled)["total"] <= peak["total"]
-    lo, hi = 0, forward  # the largest n that fits (fitting is monotone in n)
-    while lo < hi:
-      mid = (lo + hi + 1) // 2
-      lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    if lo:
-      return plan(dataclasses.replace(base, start_buffers=extra, start_positions=lo), peak)
+    n = _largest(fits, 0, forward)
+    if n:
+      return plan(dataclasses.replace(base, start_buffers=extra, start_positions=n), peak)
   return plan(base, peak)
+
+
+def _largest(fits, lo: int, hi: int) -> int:
+  """The largest n in [lo, hi] with fits(n), given fits(lo) and that fitting is
+  monotone (true up to some n, false after)."""
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+  return lo
 
 
 def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,

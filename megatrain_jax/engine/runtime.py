@@ -57,6 +57,7 @@ class Runtime:
     self._grad_hook = grad_hook
     self.h2d_bytes = self.peak_bytes = 0
     self.last_activations = None  # where the last step's checkpoints waited
+    self.last_host_groups = 0  # how many of them went to host memory, per micro-batch
     self.last: dict[str, float] = {}
     self.open = False
     self.start()
@@ -312,6 +313,7 @@ class Runtime:
             "out_of_order_fetches": self.prefetcher.out_of_order,
             "start_buffer_fetches": self.prefetcher.start_buffer_fetches,
             "activations": self.last_activations,
+            "host_checkpoint_groups": self.last_host_groups,
             "activation_bytes_moved": dict(self.activations.bytes_moved),
             "host_activation_peak_bytes": self.activations.host_peak_bytes,
             "snapshot_copy_bytes": self.copies.current,

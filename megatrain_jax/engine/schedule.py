@@ -33,6 +33,8 @@ class Schedule:
     start_buffers: extra buffers allowed for the first `start_positions` fetches of
       a micro-batch (see `memory.step_plan`, which sizes them to fit the peak).
     start_positions: how many of the first fetches may use them.
+    device_checkpoints: with activations in host memory, the last groups whose
+      input stays on the device (see `memory.step_plan`, which sizes it).
   """
 
   n_layers: int
@@ -45,6 +47,7 @@ class Schedule:
   streamed_ends: bool
   start_buffers: int = 0
   start_positions: int = 0
+  device_checkpoints: int = 1
 
   @classmethod
   def build(cls, cfg: LlamaConfig, ec: EngineConfig) -> "Schedule":
@@ -69,7 +72,8 @@ class Schedule:
     held = max(c, 2 if cfg.tie_embeddings and ec.stream_embed_head else 1)
     return cls(n_layers=L, groups=groups, fetch_order=tuple(order),
                grad_order=tuple(grads), held=held, slots=held + ec.prefetch_depth,
-               tied=cfg.tie_embeddings, streamed_ends=ec.stream_embed_head)
+               tied=cfg.tie_embeddings, streamed_ends=ec.stream_embed_head,
+               device_checkpoints=min(ec.device_checkpoints or 1, max(len(groups), 1)))
 
   @property
   def n_units(self) -> int:
@@ -93,6 +97,14 @@ class Schedule:
       (embed, head) with `stream_embed_head=False`, else ().
     """
     return () if self.streamed_ends else (self.embed, self.head)
+
+  def host_groups(self) -> tuple[int, ...]:
+    """Groups whose input waits in host memory when the activations go there.
+
+    Returns:
+      The first layers of all groups but the last `device_checkpoints`.
+    """
+    return tuple(s for s, _ in self.groups[:len(self.groups) - self.device_checkpoints])
 
   def limit(self, position: int) -> int:
     """Parameter buffers a fetch at this position of a micro-batch's order may fill.

@@ -53,7 +53,8 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     last: the step's last micro-batch (per-unit updates run on its gradients).
     start_next: queue the next step's fetches behind this micro-batch's, so the
       link keeps working through the step's tail.
-    host_checkpoints: the checkpoints wait in host memory (all but the last group's).
+    host_checkpoints: the checkpoints wait in host memory (all but the last
+      `schedule.device_checkpoints` groups').
 
   Returns:
     (this micro-batch's loss sum as a device scalar, input bytes moved).
@@ -85,13 +86,13 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   act_bytes = x.nbytes
   ckpts, starts, router = {}, {s for s, _ in schedule.groups}, []
   offload = rt.activations if host_checkpoints else None
-  last_start = schedule.groups[-1][0] if schedule.groups else None
+  sent = set(schedule.host_groups()) if offload is not None else set()
   keep = tpl.recompute != "full"  # every layer keeps its residuals (groups of one)
   pool = rt.pool if residuals.pools_buffers(
       tpl.recompute, "host" if host_checkpoints else "device", rt.platform) else None
 
   def checkpoint(i, saved):
-    if offload is not None and i != last_start:
+    if i in sent:
       offload.put(i, saved)  # counted in the ledger until it has left the device
     else:
       ckpts[i] = saved
@@ -218,6 +219,7 @@ def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], to
   b = batch["input_ids"].shape[0]
   scale, sums, input_bytes = jnp.float32(1.0 / total), [], 0
   rt.last_activations = plan.activations
+  rt.last_host_groups = len(plan.schedule.host_groups()) if plan.activations == "host" else 0
   for m in range(grad_accum):
     if not (m == 0 and started):
       rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit)
