@@ -4,7 +4,7 @@ During the forward each checkpointed block input is handed to `HostActivations`,
 whose transfer thread copies it to host memory (`Transport.offload`) while the
 next layers compute; its device buffer is counted in the ledger until the copy is
 done, and at most one copy is outstanding, so the device holds a fixed number of
-checkpoints whatever the depth (`memory.HOST_CHECKPOINTS_ON_DEVICE`). The
+checkpoints whatever the depth (`replay.HOST_CHECKPOINTS_ON_DEVICE`). The
 backward asks for each group's input one group ahead (`prefetch`), and the same
 thread brings it back (`Transport.reload`) while the group before computes.
 

@@ -20,6 +20,7 @@ import optax
 
 from megatrain_jax.engine import residuals, workspace
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
+from megatrain_jax.engine.replay import largest_fitting, replay
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
 from megatrain_jax.engine.probe import resolve_for_config
 from megatrain_jax.engine.schedule import Schedule
@@ -28,10 +29,6 @@ from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
 
 GiB = 2**30
-# Checkpoints on the device at once when they wait in host memory: the group being
-# worked on and the one moving (out during the forward, in ahead of the backward),
-# besides the last groups' inputs, which stay (`Schedule.device_checkpoints`).
-HOST_CHECKPOINTS_ON_DEVICE = 2
 
 
 def unit_trees(cfg: LlamaConfig) -> tuple[Any, ...]:
@@ -236,116 +233,6 @@ def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
       ec.compute_dtype).itemsize
 
 
-def _host_checkpoints_on_device(n: int, groups: int, kept: int, phase: str) -> int:
-  """Checkpoints on the device while `n` groups' inputs exist (in the forward, at
-  the head, or in the backward), with activations in host memory and the last
-  `kept` groups' inputs staying on the device."""
-  stay = max(0, n - (groups - kept))
-  sent = n - stay
-  if not stay:  # the group worked on, and one moving (out, or in ahead of it)
-    return min(sent, HOST_CHECKPOINTS_ON_DEVICE)
-  if phase == "forward" or (phase == "backward" and stay == 1):
-    return stay + min(sent, 1)  # the last one sent may still be leaving, or the
-    # next one is coming in while the lowest kept group runs
-  return stay  # at the head every copy out has arrived, and nothing comes in yet
-
-
-def _replay(cfg: LlamaConfig, ec: EngineConfig, sched: Schedule, act: int, ck: int,
-            pooled: bool) -> dict[str, int]:
-  """The ledger's largest total over one micro-batch, by kind (see `step_plan`);
-  `act` is an activation's bytes, `ck` a checkpoint's; `pooled`: the step reuses
-  its kept residuals' buffers (`residuals.BufferPool`)."""
-  unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
-  if ec.activations == "host":
-    ckpt = lambda n, phase="forward": _host_checkpoints_on_device(
-        n, len(sched.groups), sched.device_checkpoints, phase) * ck
-  elif pooled:  # every layer's buffers stay on the device, in use or in the pool
-    ckpt = lambda n, phase="forward": len(sched.groups) * ck
-  else:
-    ckpt = lambda n, phase="forward": n * ck
-  order = sched.fetch_order
-  both = order + order  # this micro-batch's fetches, then the next one's
-  widest = max(sched.limit(q) for q in range(len(order))) if order else 0
-  ahead = widest - sched.held
-
-  def params(p: int) -> int:
-    """Buffers alive while position p computes: released ones not yet reclaimed,
-    held ones and ones fetched ahead (in or out of order): at most the limit in
-    force, among the positions around p. The next micro-batch's fetches get no
-    start buffers before this one's compute is done."""
-    if not order:
-      return 0
-    lo, hi = max(0, p - widest + 1), min(len(both), p + widest + ahead)
-    count = max(sched.limit(q) if q < len(order) else sched.slots for q in range(lo, hi))
-    return sum(sorted((unit[u] for u in both[lo:hi]), reverse=True)[:count])
-
-  resident = sum(unit[u] for u in sched.resident_units())
-  tied_g = unit[0] if sched.tied else 0  # the head's gradient for the tied embedding
-  # The gradient queue, worst case (a slow link): it starts with the tail of the
-  # step before, and a new gradient waits for the oldest to leave when it is full.
-  queue = [grad[u] for u in sched.grad_order[-MAX_PENDING_GRADIENTS:]]
-  best: dict[str, int] = {"total": -1}
-  pos = {"p": -1}
-
-  def at(kinds: dict[str, int]) -> None:
-    kinds = {"params_in_flight": params(max(pos["p"], 0)), "resident_units": resident,
-             **kinds}
-    kinds["total"] = sum(kinds.values())
-    if kinds["total"] > best["total"]:
-      best.clear()
-      best.update(kinds)
-
-  def take(u: int) -> None:
-    if u not in sched.resident_units():
-      pos["p"] += 1
-
-  def send(g: int) -> None:
-    if len(queue) == MAX_PENDING_GRADIENTS:
-      queue.pop(0)
-    queue.append(g)
-
-  groups = sched.groups
-  L, c = sched.n_layers, groups[0][1] - groups[0][0]
-  take(0)
-  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": sum(queue)})
-  for i in range(L):
-    take(1 + i)
-    at({"activation_checkpoints": ckpt(i // c + 1), "activations": act,
-        "gradients_in_flight": sum(queue)})
-  take(sched.head)
-  if sched.tied:
-    take(0)
-  ckpts = ckpt(len(groups), "head")
-  at({"activation_checkpoints": ckpts, "activations": act,
-      "gradients_in_flight": sum(queue)})
-  at({"activation_checkpoints": ckpts, "activations": 2 * act,
-      "gradients_in_flight": sum(queue) + grad[sched.head] + tied_g})
-  send(grad[sched.head])
-  layer0 = 0
-  for gi, (s, e) in enumerate(reversed(groups)):
-    ckpts = ckpt(len(groups) - gi, "backward")
-    for i in range(s, e):
-      take(1 + i)
-    for j in range(e - s - 1):  # the group's inputs, recomputed
-      at({"activation_checkpoints": ckpts, "activations": (3 + j) * act,
-          "gradients_in_flight": sum(queue) + tied_g})
-    for j in reversed(range(e - s)):
-      recomputed = min(j + 1, e - s - 1) * act
-      at({"activation_checkpoints": ckpts, "activations": 2 * act + recomputed,
-          "gradients_in_flight": sum(queue) + tied_g})
-      new = grad[1 + s + j]
-      at({"activation_checkpoints": ckpts, "activations": 2 * act + recomputed,
-          "gradients_in_flight": sum(queue) + new + tied_g})
-      if s + j:
-        send(new)
-      else:
-        layer0 = new  # held until the embedding's gradient has left
-  at({"activation_checkpoints": ckpt(0), "activations": 2 * act,
-      "gradients_in_flight": sum(queue) + layer0 + tied_g})
-  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": sum(queue) + layer0 + grad[0]})
-  return best
-
-
 def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
               seq_len: int, platform: str | None = None) -> StepPlan:
   """The schedule and device peak of a step on batches [batch_size, seq_len].
@@ -353,12 +240,15 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   The peak replays one micro-batch as the trainer runs it: parameter buffers (at
   most the fetch's slot limit among the positions around the compute, released
   ones counted until reclaimed), resident units, activation checkpoints (all of
-  them, or with activations in host memory the `HOST_CHECKPOINTS_ON_DEVICE` being
-  worked on and moving), the running activation and gradient, a group's
+  them, or with activations in host memory the last groups' that stay and those
+  being worked on and moving), the running activation and gradient, a group's
   recomputed inputs, and gradients waiting for the link (a full queue of
   `MAX_PENDING_GRADIENTS`, plus the one just made, plus layer 0's while the
   embedding's leaves, plus the tied embedding's from the head). XLA's scratch
-  inside one call (e.g. a chunk of logits) is not in it. Extra start buffers
+  inside one call (e.g. a chunk of logits) is not in it (`replay.replay`). With
+  activations in host memory and `device_checkpoints=None`, the last groups'
+  inputs stay on the device as far as the peak with only the last one kept
+  allows. Extra start buffers
   (`EngineConfig.step_start_buffers`) are granted to as many of a micro-batch's
   first fetches as keep the peak where it is without them. `activations="auto"`
   is resolved by `resolve_activations` against the budget or the accelerator. On
@@ -426,34 +316,26 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
   act = activation_bytes(cfg, ec, batch_size, seq_len)
   ck = residuals.checkpoint_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
-  peak = _replay(cfg, ec, base, act, ck, pooled)
+  unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
+  total = lambda sched: replay(unit, grad, ec.activations, sched, act, ck, pooled)["total"]
+  peak = replay(unit, grad, ec.activations, base, act, ck, pooled)
   if ec.activations == "host" and ec.device_checkpoints is None:
     # Keep on the device the most last groups' inputs that leave the peak as it is
     # with only the last one kept: each one kept is a checkpoint the link does not
     # carry twice. (The peak grows with the number kept, so bisect.)
-    fits = lambda k: _replay(cfg, ec, dataclasses.replace(base, device_checkpoints=k),
-                             act, ck, pooled)["total"] <= peak["total"]
-    base = dataclasses.replace(base, device_checkpoints=_largest(fits, 1, len(base.groups)))
+    kept = largest_fitting(lambda k: total(dataclasses.replace(
+        base, device_checkpoints=k)) <= peak["total"], 1, len(base.groups))
+    base = dataclasses.replace(base, device_checkpoints=kept)
   host_ckpts = len(base.host_groups()) * ck if ec.activations == "host" else 0
-  plan = lambda sched, peak: StepPlan(sched, peak, ec.activations, host_ckpts)
+  plan = lambda sched: StepPlan(sched, peak, ec.activations, host_ckpts)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
                 if u not in base.resident_units())
   for extra in range(ec.step_start_buffers, 0, -1):
-    fits = lambda n: _replay(cfg, ec, dataclasses.replace(
-        base, start_buffers=extra, start_positions=n), act, ck, pooled)["total"] <= peak["total"]
-    n = _largest(fits, 0, forward)
+    n = largest_fitting(lambda n: total(dataclasses.replace(
+        base, start_buffers=extra, start_positions=n)) <= peak["total"], 0, forward)
     if n:
-      return plan(dataclasses.replace(base, start_buffers=extra, start_positions=n), peak)
-  return plan(base, peak)
-
-
-def _largest(fits, lo: int, hi: int) -> int:
-  """The largest n in [lo, hi] with fits(n), given fits(lo) and that fitting is
-  monotone (true up to some n, false after)."""
-  while lo < hi:
-    mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-  return lo
+      return plan(dataclasses.replace(base, start_buffers=extra, start_positions=n))
+  return plan(base)
 
 
 def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
