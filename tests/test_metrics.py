@@ -1,6 +1,5 @@
 """Figures are computed from their stated formulas."""
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np

@@ -9,8 +9,9 @@ backward asks for each group's input one group ahead (`prefetch`), and the same
 thread brings it back (`Transport.reload`) while the group before computes.
 
 The last groups' inputs are needed first in the backward and never leave the
-device (`Schedule.device_checkpoints`; the step hands over only the others). One daemon thread moves both directions in the order asked, which is the
-order the step needs them. A failure on the thread is raised in the caller by the
+device (`Schedule.device_checkpoints`; the step hands over only the others). One
+daemon thread moves both directions in the order asked, which is the order the
+step needs them. A failure on the thread is raised in the caller by the
 next `put`, `flush` or `take`; a caller waits at most `timeout_s`. The step calls
 `flush` before its first gradient leaves, so a failed copy out is raised before
 anything is updated. A transfer that never ends cannot keep the process from

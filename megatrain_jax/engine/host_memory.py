@@ -11,12 +11,13 @@ system when freed.
 A higher threshold is faster on the CPU backend, where the device's buffers are
 malloc's too: at 16 MiB a small layer's activations and residuals are reused from
 the arenas, and the streaming step with recompute "none" (d_model 512, 8 layers,
-2K tokens, 2 cores) took 3.55 s against 5.26 s at 1 MiB. But the arenas then hold
-what they reuse: the `300m` preset's peak host bytes per parameter was 13.44-13.81
-in runs by itself and 14.92-16.98 inside the whole benchmark at 16 MiB, against
-13.4-13.7 at 1 MiB (docs/performance.md). Host memory is what this engine is about,
-so the threshold stays at 1 MiB. (A higher one would also leave a dropped trainer's
-smaller buffers in the arenas, to be returned with `malloc_trim`.)
+2K tokens, 2 cores) took 3.55 s against 5.26 s at 1 MiB. The step now reuses those
+buffers itself (`residuals.BufferPool`), so the threshold stays at 1 MiB, where a
+dropped trainer's buffers go back to the system without `malloc_trim`. (The
+14.9-17.0 bytes per parameter once measured for the `300m` preset at 16 MiB inside
+the whole benchmark were the benchmark process's own peak, which `ru_maxrss`
+carried into the child that measured; by itself it measured 13.44-13.81 at 16 MiB
+against 13.4-13.7 at 1 MiB: docs/performance.md.)
 
 Fresh mappings cost a page fault per 4 KiB page on first touch. On the CPU
 backend XLA allocates every call's scratch with malloc (a block's backward at

@@ -326,6 +326,7 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
     kept = largest_fitting(lambda k: total(dataclasses.replace(
         base, device_checkpoints=k)) <= peak["total"], 1, len(base.groups))
     base = dataclasses.replace(base, device_checkpoints=kept)
+    peak = replay(unit, grad, ec.activations, base, act, ck, pooled)  # same total, its parts
   host_ckpts = len(base.host_groups()) * ck if ec.activations == "host" else 0
   plan = lambda sched: StepPlan(sched, peak, ec.activations, host_ckpts)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]

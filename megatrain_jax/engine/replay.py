@@ -139,8 +139,6 @@ def replay(unit: list[int], grad: list[int], activations: str, sched: Schedule, 
   return best
 
 
-
-
 def largest_fitting(fits, lo: int, hi: int) -> int:
   """The largest n in [lo, hi] with fits(n), by bisection.
 
