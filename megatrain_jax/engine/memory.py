@@ -215,6 +215,15 @@ class StepPlan:
   activations: str = "device"
   host_checkpoint_bytes: int = 0
 
+  @property
+  def sent_groups(self) -> tuple[int, ...]:
+    """Groups whose input a micro-batch sends to host memory.
+
+    Returns:
+      `schedule.host_groups()` with activations in host memory, else ().
+    """
+    return self.schedule.host_groups() if self.activations == "host" else ()
+
 
 def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
                      seq_len: int) -> int:
@@ -317,8 +326,9 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
   ck = residuals.checkpoint_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
   unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
-  total = lambda sched: replay(unit, grad, ec.activations, sched, act, ck, pooled)["total"]
-  peak = replay(unit, grad, ec.activations, base, act, ck, pooled)
+  run = lambda sched: replay(unit, grad, ec.activations, sched, act, ck, pooled)
+  total = lambda sched: run(sched)["total"]
+  peak = run(base)
   if ec.activations == "host" and ec.device_checkpoints is None:
     # Keep on the device the most last groups' inputs that leave the peak as it is
     # with only the last one kept: each one kept is a checkpoint the link does not
@@ -326,7 +336,7 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
     kept = largest_fitting(lambda k: total(dataclasses.replace(
         base, device_checkpoints=k)) <= peak["total"], 1, len(base.groups))
     base = dataclasses.replace(base, device_checkpoints=kept)
-    peak = replay(unit, grad, ec.activations, base, act, ck, pooled)  # same total, its parts
+    peak = run(base)  # the same total, by the parts of this schedule
   host_ckpts = len(base.host_groups()) * ck if ec.activations == "host" else 0
   plan = lambda sched: StepPlan(sched, peak, ec.activations, host_ckpts)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]

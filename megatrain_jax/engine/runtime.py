@@ -20,6 +20,7 @@ from megatrain_jax.engine.activations import HostActivations
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.gradients import GradientPipeline, UpdateClock
 from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.memory import StepPlan
 from megatrain_jax.engine.prefetch import Ledger, Prefetcher
 from megatrain_jax.engine.residuals import BufferPool
 from megatrain_jax.engine.schedule import Schedule
@@ -56,8 +57,7 @@ class Runtime:
     self.defer = host_opt.updates_after_sweep or ec.nonfinite == "skip"
     self._grad_hook = grad_hook
     self.h2d_bytes = self.peak_bytes = 0
-    self.last_activations = None  # where the last step's checkpoints waited
-    self.last_host_groups = 0  # how many of them went to host memory, per micro-batch
+    self.last_plan: StepPlan | None = None  # the last step's (where its checkpoints went)
     self.last: dict[str, float] = {}
     self.open = False
     self.start()
@@ -312,8 +312,8 @@ class Runtime:
             "stream_copy": "keep" if self.store.keep_copy else "on_fetch",
             "out_of_order_fetches": self.prefetcher.out_of_order,
             "start_buffer_fetches": self.prefetcher.start_buffer_fetches,
-            "activations": self.last_activations,
-            "host_checkpoint_groups": self.last_host_groups,
+            "activations": self.last_plan and self.last_plan.activations,
+            "host_checkpoint_groups": len(self.last_plan.sent_groups) if self.last_plan else 0,
             "activation_bytes_moved": dict(self.activations.bytes_moved),
             "host_activation_peak_bytes": self.activations.host_peak_bytes,
             "snapshot_copy_bytes": self.copies.current,

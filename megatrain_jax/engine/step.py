@@ -218,8 +218,7 @@ def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], to
   """
   b = batch["input_ids"].shape[0]
   scale, sums, input_bytes = jnp.float32(1.0 / total), [], 0
-  rt.last_activations = plan.activations
-  rt.last_host_groups = len(plan.schedule.host_groups()) if plan.activations == "host" else 0
+  rt.last_plan = plan
   for m in range(grad_accum):
     if not (m == 0 and started):
       rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit)
