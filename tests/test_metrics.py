@@ -100,12 +100,21 @@ def test_settled_timing_times_each_call_right_after_one_of_its_own(monkeypatch):
 
 
 def test_step_ratio_formula(monkeypatch):
-  monkeypatch.setattr(steps, "median_times",
-                      lambda fns, warmup, reps, settle=0: {
-                          "stream": 3.0, "remat": 2.0, "plain": 1.5, "none": 1.65,
-                          "dots": 1.8})
+  times = {"stream": 3.0, "remat": 2.0, "plain": 1.5, "none": 1.65, "dots": 1.8}
+  rounds = []
+
+  def fake_median_times(fns, warmup, reps, settle=0):
+    rounds.append((list(fns), reps, settle))
+    return {k: times[k] for k in fns}
+
+  monkeypatch.setattr(steps, "median_times", fake_median_times)
   suite = bench.Suite(model=TINY, batch_size=2, seq_len=8)
   out = steps.step_ratios(suite)
+  # The goal's pair is timed by itself, over more rounds; then the kept-residual
+  # engines beside the resident step without remat. Each step after two of its own.
+  assert rounds == [(["stream", "remat"], steps.pair_reps(suite), 2),
+                    (["none", "dots", "plain"], suite.reps, 2)]
+  assert steps.pair_reps(suite) > suite.reps
   assert out["stream_over_resident_remat"] == pytest.approx(1.5)
   assert out["stream_over_resident"] == pytest.approx(2.0)
   assert out["stream_over_resident_noremat"] == pytest.approx(1.1)
