@@ -32,7 +32,9 @@ def pair_reps(s: Suite) -> int:
 
 
 def step_ratios(s: Suite, kept: tuple[str, ...] = ("none", "dots")) -> dict[str, Any]:
-  """Streaming vs resident step time on a model that fits, fp32.
+  """Streaming vs resident step time on a model that fits, fp32, in two rounds: the
+  streaming step against the resident remat step (`pair_reps` rounds), then the
+  `kept` engines against the resident step without remat (the suite's rounds).
 
   Args:
     s: the sizes.
