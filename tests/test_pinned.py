@@ -22,13 +22,10 @@ def test_pinned_bytes_are_the_kept_copies_and_the_sent_checkpoints():
                          activations=activations, device_checkpoints=kept)
     # All but the last group's inputs (or all but the last few that fit within the
     # device peak, by default) wait in pinned memory, counted where they might go.
-    if activations == "device":
-      ckpts = 0
-    else:
-      if kept is None:
-        kept = memory.step_plan(cfg, ec, 8, 512).schedule.device_checkpoints
-        assert kept == 2  # of 4 groups: 2 within the peak
-      ckpts = (groups - kept) * act
+    if activations == "host" and kept is None:
+      kept = memory.step_plan(cfg, ec, 8, 512).schedule.device_checkpoints
+      assert kept == 2  # of 4 groups: 2 within the peak
+    ckpts = 0 if activations == "device" else (groups - kept) * act
     got = pinned.pinned_bytes(cfg, ec, 8, 512)
     assert got == {"stream_copies": 2 * (n + largest), "activation_checkpoints": ckpts,
                    "total": 2 * (n + largest) + ckpts}

@@ -54,12 +54,11 @@ def step_ratios(s: Suite, kept: tuple[str, ...] = ("none", "dots")) -> dict[str,
   # trainer per process): the streaming step against the resident remat step (the
   # goal, over more rounds), then the steps that keep residuals against the resident
   # step without remat (so `stream_over_resident` divides across the two rounds).
-  # With the "none" and "dots" engines alive beside them, the same streaming step
-  # took 4.60 s in two runs, and 4.33 s with only the resident trainers beside it;
-  # the resident remat step 4.30, 4.16 and 4.13 s (docs/performance.md). The
-  # streaming step's last updates are waited for inside its timing (a step alone,
-  # not overlapping the next one), so it is charged all of its work. Each step is
-  # timed after two untimed ones of its own trainer (`median_times`).
+  # Other engines alive in the process slowed the streaming step
+  # (docs/performance.md, "The goal's pair timed by itself"). The streaming step's
+  # last updates are waited for inside its timing (a step alone, not overlapping the
+  # next one), so it is charged all of its work. Each step is timed after two
+  # untimed ones of its own trainer (`median_times`).
   timed = lambda e: (lambda: (e.step(batch), e.wait()))
   with StreamingTrainer(model(), adamw(1e-4), EngineConfig()) as eng:
     remat = resident(remat=True)
