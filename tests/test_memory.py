@@ -93,6 +93,20 @@ def test_start_buffers_stay_within_the_peak_without_them():
   assert stats["device_peak_bytes"] <= without.peak["total"]
 
 
+def test_no_start_buffers_without_prefetch():
+  # prefetch_depth=0 means each fetch waits for the previous unit's compute: a
+  # start buffer would let the forward's fetches run one unit ahead of it.
+  cfg = TINY.replace(n_layers=8)
+  ec = mt.EngineConfig(transport=_SlowGradients(), prefetch_depth=0)
+  assert memory.step_plan(cfg, ec, 2, 8).schedule.start_buffers == 0
+  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    for s in range(3):
+      eng.step(random_batch(cfg, 2, 8, seed=s))
+    stats = eng.stats()
+  assert stats["start_buffer_fetches"] == 0
+  assert stats["device_peak_bytes"] <= memory.step_plan(cfg, ec, 2, 8).peak["total"]
+
+
 def test_the_last_checkpoints_stay_on_the_device_within_the_peak():
   # With the checkpoints in host memory, the last groups' inputs stay on the device
   # as far as the peak with only the last one kept allows: no more, and more than one.

@@ -133,7 +133,7 @@ class EngineConfig:
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "
-      "device peak are used (0: none).", low=0)
+      "device peak are used (0: none; none either with prefetch_depth=0).", low=0)
 
   def __post_init__(self):
     object.__setattr__(self, "compute_dtype", DTYPES[dtype_name(self.compute_dtype)])

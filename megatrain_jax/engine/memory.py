@@ -259,7 +259,8 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   inputs stay on the device as far as the peak with only the last one kept
   allows. Extra start buffers
   (`EngineConfig.step_start_buffers`) are granted to as many of a micro-batch's
-  first fetches as keep the peak where it is without them. `activations="auto"`
+  first fetches as keep the peak where it is without them, and only with prefetch
+  (`prefetch_depth` > 0). `activations="auto"`
   is resolved by `resolve_activations` against the budget or the accelerator. On
   the CPU backend, with recompute "dots" or "none" and the checkpoints on the
   device, every layer's buffers stay on the device between steps
@@ -341,7 +342,10 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
   plan = lambda sched: StepPlan(sched, peak, ec.activations, host_ckpts)
   forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
                 if u not in base.resident_units())
-  for extra in range(ec.step_start_buffers, 0, -1):
+  # Without prefetch (depth 0) every fetch waits for the previous unit's compute:
+  # a start buffer would let the forward's fetches run one unit ahead.
+  extras = ec.step_start_buffers if ec.prefetch_depth else 0
+  for extra in range(extras, 0, -1):
     n = largest_fitting(lambda n: total(dataclasses.replace(
         base, start_buffers=extra, start_positions=n)) <= peak["total"], 0, forward)
     if n:
