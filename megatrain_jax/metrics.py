@@ -31,18 +31,21 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
   return 6.0 * (n + head) + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
-def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
-  """Extra hardware FLOPs per token of recomputing every block's forward once.
+def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, layers: int | None = None
+                              ) -> float:
+  """Extra hardware FLOPs per token of recomputing blocks' forwards once.
 
   Args:
     cfg: the model.
     seq_len: tokens per sequence.
+    layers: how many blocks, from the first (None: all).
 
   Returns:
     The extra FLOPs of one token.
   """
-  blocks = sum(cfg.block_param_count(i, active=True) for i in range(cfg.n_layers))
-  return 2.0 * blocks + 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
+  n = cfg.n_layers if layers is None else layers
+  blocks = sum(cfg.block_param_count(i, active=True) for i in range(n))
+  return 2.0 * blocks + 4.0 * n * seq_len * cfg.n_heads * cfg.head_dim
 
 
 class MetricsWriter:

@@ -1,10 +1,13 @@
 """Shared fixtures: tiny configs and batches."""
 
+import time
+
 import jax
 import numpy as np
 import pytest
 
 from megatrain_jax import data as data_lib
+from megatrain_jax.engine import transport as transport_lib
 from megatrain_jax.models import LlamaConfig
 
 import os
@@ -42,3 +45,12 @@ def random_batch(cfg, batch_size=2, seq_len=16, seed=0, mask_fraction=0.0):
 def stdlib_windows():
   docs = data_lib.read_documents("stdlib", max_bytes=400_000)
   return data_lib.pack(docs, 64)
+
+
+class SlowGradients(transport_lib.DeviceTransport):
+  """Gradients take 50 ms each to leave: the gradient queue fills (the worst case
+  the device model assumes)."""
+
+  def d2h(self, device_array):
+    time.sleep(0.05)
+    return super().d2h(device_array)

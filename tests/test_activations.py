@@ -71,8 +71,11 @@ def test_the_device_peak_is_flat_in_depth():
       peaks[where, n] = _train(CFG.replace(n_layers=n), steps=1, activations=where)[2][
           "device_peak_bytes"]
   assert peaks["device", 10] - peaks["device", 4] >= 5 * act  # one checkpoint per layer
-  assert abs(peaks["host", 10] - peaks["host", 4]) < act
-  assert peaks["host", 10] < peaks["device", 10] - 5 * act
+  # At most one activation apart (the one a checkpoint coming in while gradients wait
+  # for the link may add, which the shallow model's step need not reach), where
+  # the device's checkpoints add six.
+  assert abs(peaks["host", 10] - peaks["host", 4]) <= act
+  assert peaks["host", 10] <= peaks["device", 10] - 5 * act
 
 
 def test_auto_sends_them_to_the_host_when_the_device_is_too_small():

@@ -114,6 +114,30 @@ def test_matches_resident_fp32(name):
       assert eng.stats()["host_update_parts"] == kw["host_threads"]
 
 
+@pytest.mark.parametrize("tied,depth", [(False, 2), (True, 0)])
+def test_last_layer_in_the_head_call(tied, depth):
+  # The last layer's forward and backward in the head's call: the same step as with
+  # the layer run by itself, one layer fewer fetched, and its buffers within the
+  # plan (a tied embedding with no prefetch: the head's and the embedding's fetches
+  # wait on two held buffers).
+  cfg = BASE.replace(tie_embeddings=tied)
+  runs = {}
+  for fused in (True, False):
+    ec = mt.EngineConfig(last_layer_in_head=fused, prefetch_depth=depth, timeout_s=60)
+    with mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), ADAMW(), ec) as eng:
+      losses = [eng.step(random_batch(cfg, 4, 16, seed=s))["loss"] for s in range(3)]
+      plan = engine_memory.step_plan(cfg, ec, 4, 16)
+      runs[fused] = (losses, eng.params(), eng.stats(), plan)
+  (l_f, p_f, st_f, plan_f), (l_u, p_u, st_u, _) = runs[True], runs[False]
+  assert plan_f.schedule.fused_tail
+  np.testing.assert_allclose(l_f, l_u, rtol=1e-6)
+  assert max(jax.tree.leaves(_rel_err(p_u, p_f))) < 1e-5
+  assert st_u["last_step"]["h2d_bytes"] - st_f["last_step"]["h2d_bytes"] == (
+      st_f["layer_bytes"])
+  assert st_f["compiles"]["tail_fwd_bwd"] == 1 and "tail_fwd_bwd" not in st_u["compiles"]
+  assert st_f["device_peak_bytes"] <= plan_f.peak["total"]
+
+
 def test_load_balancing_loss_with_grad_accum_is_refused():
   cfg = BASE.replace(n_experts=4, router_aux_loss_coef=0.01)
   with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 with grad_accum=2"):

@@ -11,15 +11,7 @@ import megatrain_jax as mt
 from megatrain_jax.engine import memory, preflight
 from megatrain_jax.engine import transport as transport_lib
 
-from conftest import TINY, random_batch
-
-
-class _SlowGradients(transport_lib.DeviceTransport):
-  """Gradients take 50 ms each to leave: the gradient queue fills (the worst case)."""
-
-  def d2h(self, device_array):
-    time.sleep(0.05)
-    return super().d2h(device_array)
+from conftest import TINY, SlowGradients, random_batch
 
 
 class _SlowActivations(transport_lib.DeviceTransport):
@@ -34,7 +26,7 @@ class _SlowActivations(transport_lib.DeviceTransport):
     return super().reload(host_array)
 
 
-class _SlowBoth(_SlowGradients, _SlowActivations):
+class _SlowBoth(SlowGradients, _SlowActivations):
   """A full gradient queue while the checkpoints move."""
 
 
@@ -56,7 +48,7 @@ CASES = {
     "host_activations_last_kept_slow": (TINY.replace(n_layers=8), dict(
         transport="slow_both", activations="host", checkpoint_every=2, grad_accum=2)),
 }
-TRANSPORTS = {"slow": _SlowGradients, "slow_activations": _SlowActivations,
+TRANSPORTS = {"slow": SlowGradients, "slow_activations": _SlowActivations,
               "slow_both": _SlowBoth}
 
 
@@ -80,7 +72,7 @@ def test_the_ledger_never_passes_the_model(name):
 def test_start_buffers_stay_within_the_peak_without_them():
   # Small activations, a deep model: one more buffer at a step's start fits.
   cfg = TINY.replace(n_layers=8)
-  ec = mt.EngineConfig(transport=_SlowGradients())
+  ec = mt.EngineConfig(transport=SlowGradients())
   plan = memory.step_plan(cfg, ec, 2, 8)
   without = memory.step_plan(cfg, mt.EngineConfig(step_start_buffers=0), 2, 8)
   assert plan.schedule.start_buffers == 1 and plan.schedule.start_positions > 0
@@ -97,7 +89,7 @@ def test_no_start_buffers_without_prefetch():
   # prefetch_depth=0 means each fetch waits for the previous unit's compute: a
   # start buffer would let the forward's fetches run one unit ahead of it.
   cfg = TINY.replace(n_layers=8)
-  ec = mt.EngineConfig(transport=_SlowGradients(), prefetch_depth=0)
+  ec = mt.EngineConfig(transport=SlowGradients(), prefetch_depth=0)
   assert memory.step_plan(cfg, ec, 2, 8).schedule.start_buffers == 0
   with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
     for s in range(3):

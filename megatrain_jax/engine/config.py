@@ -130,6 +130,11 @@ class EngineConfig:
       "device (the backward needs them first, so sending them out and back would "
       "only cost link time). None: as many as fit within the step's device peak "
       "with only the last one kept, at least 1.", low=1)
+  last_layer_in_head: bool = _field(
+      True, "Run the last layer's forward and backward inside the head's call, so its "
+      "forward runs once and its parameters are fetched once a micro-batch; only "
+      "when its checkpoint group is that layer alone, recompute is full and the "
+      "layer is dense.")
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "

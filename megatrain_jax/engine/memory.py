@@ -327,7 +327,8 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
   ck = residuals.checkpoint_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
   unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
-  run = lambda sched: replay(unit, grad, ec.activations, sched, act, ck, pooled)
+  run = lambda sched: replay(unit, grad, ec.activations, sched, act, ck, pooled,
+                             updates_follow=ec.grad_accum == 1)
   total = lambda sched: run(sched)["total"]
   peak = run(base)
   if ec.activations == "host" and ec.device_checkpoints is None:

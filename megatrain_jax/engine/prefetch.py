@@ -71,11 +71,13 @@ class _Cancelled(Exception):
 
 
 class Job(NamedTuple):
-  """One schedule to fetch: its id, unit order, tag (the step) and slot limits."""
+  """One schedule to fetch: its id, unit order, tag (the step), slot limits, and how
+  many first positions may fill start buffers."""
   id: int
   order: tuple[int, ...]
   tag: int
   limit: Callable[[int], int]
+  starts: int = 0
 
 
 class Prefetcher:
@@ -122,7 +124,7 @@ class Prefetcher:
     self.busy_s = 0.0
     self.bytes_for: collections.Counter = collections.Counter()  # by tag (step)
     self.out_of_order = 0
-    self.start_buffer_fetches = 0  # fetches into a start buffer (beyond hold + depth)
+    self.start_buffer_fetches = 0  # fetches into a start buffer (see `_count_start`)
     self._thread = None
     if depth > 0:
       self._thread = threading.Thread(target=self._run, name="megatrain-prefetch",
@@ -157,7 +159,7 @@ class Prefetcher:
       with self._cond:
         if self._in_use < self._limit(job, position):
           self._in_use += 1
-          self.start_buffer_fetches += self._in_use > self._hold + self.depth
+          self._count_start(job, position)
           return
         if self._abort:
           raise WorkerError("prefetch aborted")
@@ -171,10 +173,17 @@ class Prefetcher:
           continue
       self._reclaim_one()
 
-  def _try_spare_slot(self, limit: int) -> bool:
+  def _count_start(self, job: Job, position: int) -> None:
+    """Counts a fetch into a start buffer: beyond hold + depth at one of the job's
+    first positions (elsewhere a limit above that is a fused tail's own need)."""
+    self.start_buffer_fetches += (position < job.starts
+                                  and self._in_use > self._hold + self.depth)
+
+  def _try_spare_slot(self, job: Job, position: int) -> bool:
     """A free slot for a unit out of order, without waiting (released buffers whose
     compute is done are reclaimed first). Buffers fetched out of order and not yet
     taken stay under limit - hold, so the units in order always have `hold` slots."""
+    limit = self._limit(job, position)
     with self._cond:
       if len(self._ahead) + self._hold >= limit:
         return False
@@ -187,7 +196,7 @@ class Prefetcher:
         self._in_use -= 1
       if self._in_use < limit:
         self._in_use += 1
-        self.start_buffer_fetches += self._in_use > self._hold + self.depth
+        self._count_start(job, position)
         return True
       return False
 
@@ -260,7 +269,7 @@ class Prefetcher:
       # next anyway): the memory model counts buffers around the compute's position.
       reach = n + job.limit(n)
       ahead = next((p for p in pending[1:] if p < reach and ready(p)), None)
-      if ahead is not None and self._try_spare_slot(self._limit(job, ahead)):
+      if ahead is not None and self._try_spare_slot(job, ahead):
         self.out_of_order += 1
         arr = self._fetch_held(job.order[ahead], ("param", job.id, ahead), job.tag)
         with self._cond:
@@ -296,7 +305,8 @@ class Prefetcher:
     error, self._error = self._error, None
     return error
 
-  def start(self, order, tag: int = 0, limit: Callable[[int], int] | None = None) -> None:
+  def start(self, order, tag: int = 0, limit: Callable[[int], int] | None = None,
+            starts: int = 0) -> None:
     """Queues a schedule for step `tag`; `get` takes its units in order, after those
     of the schedules started before it.
 
@@ -304,11 +314,13 @@ class Prefetcher:
       order: unit indices, in the order the compute takes them.
       tag: the step the fetches are for (passed to `fetch` and `ready`).
       limit: slots a fetch at each position may fill (default: hold + depth).
+      starts: how many first positions' limits include start buffers (for
+        `start_buffer_fetches`).
     """
     self.check()
     self._job_ids += 1
     job = Job(self._job_ids, tuple(order), tag,
-              limit or (lambda p: self._hold + self.depth))
+              limit or (lambda p: self._hold + self.depth), starts)
     self._started.append(job)
     if self._thread is not None:
       with self._cond:

@@ -34,7 +34,7 @@ def _host_checkpoints_on_device(n: int, groups: int, kept: int, phase: str) -> i
 
 
 def replay(unit: list[int], grad: list[int], activations: str, sched: Schedule, act: int,
-           ck: int, pooled: bool) -> dict[str, int]:
+           ck: int, pooled: bool, updates_follow: bool = False) -> dict[str, int]:
   """The ledger's largest total over one micro-batch, by kind.
 
   Args:
@@ -45,6 +45,9 @@ def replay(unit: list[int], grad: list[int], activations: str, sched: Schedule, 
     act: one activation's bytes.
     ck: one checkpoint's bytes (the block input, with its kept residuals).
     pooled: the step reuses its kept residuals' buffers (`residuals.BufferPool`).
+    updates_follow: the next micro-batch's fetches wait for this one's updates
+      (every micro-batch is its step's last: grad_accum 1), so they take only
+      units whose gradient has left the device.
 
   Returns:
     Bytes by kind at the replay's largest total, and "total".
@@ -62,21 +65,29 @@ def replay(unit: list[int], grad: list[int], activations: str, sched: Schedule, 
   ahead = widest - sched.held
 
   def params(p: int) -> int:
-    """Buffers alive while position p computes: released ones not yet reclaimed,
-    held ones and ones fetched ahead (in or out of order): at most the limit in
-    force, among the positions around p. The next micro-batch's fetches get no
-    start buffers before this one's compute is done."""
+    """Buffers alive while position p computes: released ones not yet reclaimed
+    (a fetch under position p's limit reclaims the oldest first), held ones and
+    ones fetched ahead (in or out of order): at most the limit in force, among the
+    positions around p. The next micro-batch's fetches get no start buffers before
+    this one's compute is done, and with `updates_follow` take only units whose
+    gradient has left."""
     if not order:
       return 0
-    lo, hi = max(0, p - widest + 1), min(len(both), p + widest + ahead)
+    lo, hi = max(0, p - sched.limit(p) + 1), min(len(both), p + widest + ahead)
     count = max(sched.limit(q) if q < len(order) else sched.slots for q in range(lo, hi))
-    return sum(sorted((unit[u] for u in both[lo:hi]), reverse=True)[:count])
+    alive = [unit[u] for q, u in enumerate(both[lo:hi], lo)
+             if q < len(order) or not updates_follow or u in left]
+    return sum(sorted(alive, reverse=True)[:count])
 
   resident = sum(unit[u] for u in sched.resident_units())
   tied_g = unit[0] if sched.tied else 0  # the head's gradient for the tied embedding
   # The gradient queue, worst case (a slow link): it starts with the tail of the
-  # step before, and a new gradient waits for the oldest to leave when it is full.
-  queue = [grad[u] for u in sched.grad_order[-MAX_PENDING_GRADIENTS:]]
+  # step before (unit None here), and a new gradient waits for the oldest to leave
+  # when it is full.
+  queue: list[tuple[int | None, int]] = [
+      (None, grad[u]) for u in sched.grad_order[-MAX_PENDING_GRADIENTS:]]
+  left: set[int] = set()  # units whose gradient of this micro-batch has left
+  queued = lambda: sum(g for _, g in queue)
   best: dict[str, int] = {"total": -1}
   pos = {"p": -1}
 
@@ -92,50 +103,53 @@ def replay(unit: list[int], grad: list[int], activations: str, sched: Schedule, 
     if u not in sched.resident_units():
       pos["p"] += 1
 
-  def send(g: int) -> None:
+  def send(u: int) -> None:
     if len(queue) == MAX_PENDING_GRADIENTS:
-      queue.pop(0)
-    queue.append(g)
+      gone = queue.pop(0)[0]
+      if gone is not None:
+        left.add(gone)
+    queue.append((u, grad[u]))
 
   groups = sched.groups
   L, c = sched.n_layers, groups[0][1] - groups[0][0]
   take(0)
-  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": sum(queue)})
+  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": queued()})
   for i in range(L):
     take(1 + i)
     at({"activation_checkpoints": ckpt(i // c + 1), "activations": act,
-        "gradients_in_flight": sum(queue)})
+        "gradients_in_flight": queued()})
   take(sched.head)
   if sched.tied:
     take(0)
   ckpts = ckpt(len(groups), "head")
   at({"activation_checkpoints": ckpts, "activations": act,
-      "gradients_in_flight": sum(queue)})
+      "gradients_in_flight": queued()})
   at({"activation_checkpoints": ckpts, "activations": 2 * act,
-      "gradients_in_flight": sum(queue) + grad[sched.head] + tied_g})
-  send(grad[sched.head])
+      "gradients_in_flight": queued() + grad[sched.head] + tied_g})
+  send(sched.head)
   layer0 = 0
   for gi, (s, e) in enumerate(reversed(groups)):
     ckpts = ckpt(len(groups) - gi, "backward")
     for i in range(s, e):
-      take(1 + i)
+      if not (sched.fused_tail and gi == 0):  # a fused tail's layer is still here
+        take(1 + i)
     for j in range(e - s - 1):  # the group's inputs, recomputed
       at({"activation_checkpoints": ckpts, "activations": (3 + j) * act,
-          "gradients_in_flight": sum(queue) + tied_g})
+          "gradients_in_flight": queued() + tied_g})
     for j in reversed(range(e - s)):
       recomputed = min(j + 1, e - s - 1) * act
       at({"activation_checkpoints": ckpts, "activations": 2 * act + recomputed,
-          "gradients_in_flight": sum(queue) + tied_g})
+          "gradients_in_flight": queued() + tied_g})
       new = grad[1 + s + j]
       at({"activation_checkpoints": ckpts, "activations": 2 * act + recomputed,
-          "gradients_in_flight": sum(queue) + new + tied_g})
+          "gradients_in_flight": queued() + new + tied_g})
       if s + j:
-        send(new)
+        send(1 + s + j)
       else:
         layer0 = new  # held until the embedding's gradient has left
   at({"activation_checkpoints": ckpt(0), "activations": 2 * act,
-      "gradients_in_flight": sum(queue) + layer0 + tied_g})
-  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": sum(queue) + layer0 + grad[0]})
+      "gradients_in_flight": queued() + layer0 + tied_g})
+  at({"activation_checkpoints": ckpt(0), "gradients_in_flight": queued() + layer0 + grad[0]})
   return best
 
 

@@ -8,6 +8,7 @@ checkpoint's part order) reads it from a `Schedule`, so the order lives here onl
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.models.config import LlamaConfig
@@ -28,13 +29,17 @@ class Schedule:
       layers from the top down to layer 1, the embedding, then layer 0 (the next
       forward needs the embedding first). Per-unit updates run in this order.
     held: parameter buffers the compute holds at once (a group's layers in its
-      backward, or the head with the tied embedding).
+      backward, or the head with the tied embedding); a fused tail holds one more
+      at its own fetches (`limit`).
     slots: parameter buffers alive at once: `held` plus `prefetch_depth`.
     start_buffers: extra buffers allowed for the first `start_positions` fetches of
       a micro-batch (see `memory.step_plan`, which sizes them to fit the peak).
     start_positions: how many of the first fetches may use them.
     device_checkpoints: with activations in host memory, the last groups whose
       input stays on the device (see `memory.step_plan`, which sizes it).
+    fused_tail: the last layer's forward and backward run in the head's call
+      (`EngineConfig.last_layer_in_head`): its parameters, fetched for the forward,
+      stay until then, and the backward does not fetch them again.
   """
 
   n_layers: int
@@ -48,6 +53,7 @@ class Schedule:
   start_buffers: int = 0
   start_positions: int = 0
   device_checkpoints: int = 1
+  fused_tail: bool = False
 
   @classmethod
   def build(cls, cfg: LlamaConfig, ec: EngineConfig) -> "Schedule":
@@ -63,8 +69,10 @@ class Schedule:
     L, c = cfg.n_layers, ec.checkpoint_every
     head = L + 1
     groups = tuple((s, min(s + c, L)) for s in range(0, L, c))
+    fused = bool(ec.last_layer_in_head and L and ec.recompute == "full"
+                 and groups[-1][1] - groups[-1][0] == 1 and not cfg.layer_is_moe(L - 1))
     order = [0, *range(1, head), head] + ([0] if cfg.tie_embeddings else [])
-    for s, e in reversed(groups):
+    for s, e in reversed(groups[:-1] if fused else groups):
       order += [1 + i for i in range(s, e)]
     if not ec.stream_embed_head:
       order = [u for u in order if u not in (0, head)]
@@ -73,7 +81,8 @@ class Schedule:
     return cls(n_layers=L, groups=groups, fetch_order=tuple(order),
                grad_order=tuple(grads), held=held, slots=held + ec.prefetch_depth,
                tied=cfg.tie_embeddings, streamed_ends=ec.stream_embed_head,
-               device_checkpoints=min(ec.device_checkpoints or 1, max(len(groups), 1)))
+               device_checkpoints=min(ec.device_checkpoints or 1, max(len(groups), 1)),
+               fused_tail=fused)
 
   @property
   def n_units(self) -> int:
@@ -113,9 +122,25 @@ class Schedule:
       position: index into `fetch_order`.
 
     Returns:
-      `slots`, plus `start_buffers` for the first `start_positions` positions.
+      `slots`, plus `start_buffers` for the first `start_positions` positions; at
+      a fused tail's fetches at least what its call holds (`tail_needs`).
     """
-    return self.slots + (self.start_buffers if position < self.start_positions else 0)
+    start = self.start_buffers if position < self.start_positions else 0
+    return max(self.slots + start, self.tail_needs.get(position, 0))
+
+  @functools.cached_property
+  def tail_needs(self) -> dict[int, int]:
+    """The buffers a fused tail's fetches need, by position in `fetch_order`: the
+    head's, with the last layer held (2), and the tied embedding's, with the head
+    too (3). Only `prefetch_depth=0` has fewer slots.
+
+    Returns:
+      {position: buffers}; {} without a fused tail or when the head is resident.
+    """
+    if not self.fused_tail or not self.streamed_ends:
+      return {}
+    first = self.fetch_order.index(self.head)
+    return {first + k: 2 + k for k in range(1 + self.tied)}
 
   def fetched_bytes(self, unit_bytes: list[int]) -> int:
     """Bytes one micro-batch's fetches move to each device.

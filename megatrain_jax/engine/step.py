@@ -8,7 +8,9 @@
             computes;
   head      final norm + LM head + chunked CE, value and gradient in one call; the
             MoE layers' router stats give the load-balancing loss and the
-            gradient each router's probabilities get from it;
+            gradient each router's probabilities get from it; with a fused tail
+            (`Schedule.fused_tail`) the last layer runs in that call, forward and
+            backward, its parameters kept from the forward's fetch;
   backward  blocks in reverse groups: recompute the group's inputs from its
             checkpoint (one brought back from host memory a group ahead), then
             `jax.vjp` layer by layer (each backward template recomputes its
@@ -16,9 +18,10 @@
             group's parameters are fetched once and held until its backward ends;
   gradients each unit's gradient goes to the pipeline as soon as it exists, in the
             schedule's `grad_order` (the embedding's before layer 0's).
-So each unit crosses host -> device at most twice per micro-batch and its gradient
-crosses device -> host once. Every device buffer the step holds is counted in the
-runtime's ledger under the kinds `memory.step_plan` models.
+So each unit crosses host -> device at most twice per micro-batch (a fused tail's
+layer once) and its gradient crosses device -> host once. Every device buffer the
+step holds is counted in the runtime's ledger under the kinds `memory.step_plan`
+models.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   mask = tp.to_device(batch["loss_mask"])
   extra = {k: tp.to_device(batch[k]) for k in ("positions", "segment_ids") if k in batch}
   if start_next:
-    pf.start(schedule.fetch_order, guard.step + 1, schedule.limit)
+    pf.start(schedule.fetch_order, guard.step + 1, schedule.limit, schedule.start_positions)
 
   def get(u: int):
     if u in rt.schedule.resident_units():
@@ -98,10 +101,16 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
       ckpts[i] = saved
       ledger.add(("ckpt", i), tree_bytes(saved))
 
+  fused = schedule.fused_tail
+  held = None  # a fused tail's layer: (its parameters, key), held for the head
   for i in range(schedule.n_layers):
     if i in starts and not keep:
       checkpoint(i, x)
     p, key = get(1 + i)
+    if fused and i == schedule.n_layers - 1:
+      held, p = (p, key), None
+      ledger.add("x", act_bytes)
+      break
     if keep:
       y, stats, kept = tpl.block_fwd_keep(p, x, i, **extra, reuse=_reuse(tpl, pool, p, x, i, extra))
       checkpoint(i, (x, kept))
@@ -120,10 +129,16 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
     offload.flush()  # a failed copy out is raised before any gradient leaves
   p_h, key_h = get(schedule.head)
   p_e, key_e = get(schedule.embed) if schedule.tied else (None, None)
-  loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, x, labels, mask, scale)
+  if held is not None:
+    loss_sum, g, g_h, g_e, finite, g_last, finite_last = tpl.tail(
+        held[0], p_h, p_e, x, labels, mask, scale, **extra)
+    release(held[1], g)
+    held = None
+  else:
+    loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, x, labels, mask, scale)
   release(key_h, g)
   release(key_e, g)
-  p_h = p_e = None
+  p_h = p_e = x = None
   ledger.add("g", act_bytes)
   loss_sum = loss_sum + aux_sum
   guard.loss_parts.append(loss_sum)  # before any gradient: updates wait for it
@@ -134,6 +149,18 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
 
   layer0 = None
   backward = list(reversed(schedule.groups))
+  if fused:  # the last layer's backward ran in the tail: its gradient leaves now
+    s = backward.pop(0)[0]
+    if offload is not None and backward:
+      offload.prefetch(backward[0][0])
+    ckpts.pop(s, None)
+    ledger.remove(("ckpt", s))
+    ledger.add(("grad", 1 + s), g_last.nbytes)
+    if s:
+      send(1 + s, g_last, finite_last)
+    else:
+      layer0 = (g_last, finite_last)
+    g_last = None
   for gi, (s, e) in enumerate(backward):
     if offload is not None and gi + 1 < len(backward):
       offload.prefetch(backward[gi + 1][0])  # the next group's input, while this one runs
@@ -221,7 +248,8 @@ def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], to
   rt.last_plan = plan
   for m in range(grad_accum):
     if not (m == 0 and started):
-      rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit)
+      rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit,
+                          plan.schedule.start_positions)
     last = update and m == grad_accum - 1
     micro = {k: v[m * b // grad_accum:(m + 1) * b // grad_accum] for k, v in batch.items()}
     loss_sum, nbytes = micro_step(rt, tpl, plan.schedule, micro, scale, guard, last,

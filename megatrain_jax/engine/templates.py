@@ -62,6 +62,9 @@ class Templates:
       finite): final norm, LM head and chunked cross-entropy, value and gradient;
       the vjp is seeded with `scale` (1 / the batch's mask sum); g_e is the tied
       embedding's gradient from the head (None when untied).
+    tail(flat_b, flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x,
+      g_h, g_e, finite_h, g_flat, finite): the last layer and the head in one vjp
+      (`EngineConfig.last_layer_in_head`), so that layer's forward runs once.
     embed_bwd(ids, g_x, g_e_head) -> (g_flat_fp32, finite): the embedding's
       scatter-add, in fp32, plus the head's part when tied.
   """
@@ -125,6 +128,17 @@ class Templates:
       g_h, g_e, g_x = vjp(scale)
       return loss_sum, g_x, g_h, g_e, all_finite(g_h)
 
+    def tail(flat_b, flat_h, flat_e, x, labels, mask, scale, pos, seg, spec, window):
+      # The last layer and the head in one vjp: the layer's forward runs once, and
+      # its residuals live only inside this call.
+      def f(fb, fh, fe, x):
+        y, _ = llama.block_apply_stats(cfg, spec.unflatten(fb), x, pos, window, seg)
+        return head_loss_sum(cfg, head.unflatten(fh), embed.unflatten(fe) if tied else None,
+                             y, labels, mask, chunk)
+      loss_sum, vjp = jax.vjp(f, flat_b, flat_h, flat_e, x)
+      g_b, g_h, g_e, g_x = vjp(scale)
+      return loss_sum, g_x, g_h, g_e, all_finite(g_h), g_b, all_finite(g_b)
+
     def embed_bwd(ids, g_x, g_e_head):
       v, d = cfg.vocab_size, cfg.d_model
       table = jnp.zeros((v, d), jnp.float32).at[ids.reshape(-1)].add(
@@ -144,6 +158,7 @@ class Templates:
     self._block_bwd_kept = jax.jit(self._counted("block_bwd_kept", block_bwd_kept),
                                    static_argnums=(7, 8))
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
+    self._tail = jax.jit(self._counted("tail_fwd_bwd", tail), static_argnums=(9, 10))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
 
   def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
@@ -255,6 +270,31 @@ class Templates:
     """
     return self._block_bwd(flat, x, g, self._g_probs(layer, g_probs), positions,
                            segment_ids, *self._kinds[layer])
+
+  def tail(self, flat: jax.Array, flat_h: jax.Array, flat_e: jax.Array | None,
+           x: jax.Array, labels: jax.Array, mask: jax.Array, scale: jax.Array,
+           positions=None, segment_ids=None) -> tuple:
+    """The last layer (dense) and the head, forward and backward, in one call.
+
+    Args:
+      flat: the last layer's flat compute-dtype parameters.
+      flat_h: the head's.
+      flat_e: the tied embedding's (None when untied).
+      x: the last layer's input.
+      labels: as `head`.
+      mask: as `head`.
+      scale: as `head`.
+      positions: as `block_fwd`.
+      segment_ids: as `block_fwd`.
+
+    Returns:
+      (loss_sum, g_x, g_h, g_e, finite_h, g_flat, finite): as `head`, with g_x the
+      gradient of the last layer's input, then that layer's as `block_bwd`'s.
+    """
+    layer = self.cfg.n_layers - 1
+    self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
+    return self._tail(flat, flat_h, flat_e, x, labels, mask, scale, positions,
+                      segment_ids, *self._kinds[layer])
 
   def measure_scratch(self) -> dict[str, int]:
     """XLA's scratch inside each template for the last batch shape a block ran on:

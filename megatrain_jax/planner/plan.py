@@ -36,6 +36,7 @@ from megatrain_jax.engine import memory
 from megatrain_jax.engine import pinned as pinned_lib
 from megatrain_jax.engine import workspace
 from megatrain_jax.engine.config import RECOMPUTE
+from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
 from megatrain_jax.models import layers
 from megatrain_jax.models.config import LlamaConfig
@@ -213,11 +214,8 @@ def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
   """
   cd = jnp.dtype(ec.compute_dtype).itemsize
   sizes = memory.unit_sizes(cfg)
-  n = sum(sizes)
-  embed, head, blocks = sizes[0], sizes[-1], sum(sizes[1:-1])
-  fetched = 2 * blocks + (embed + head if ec.stream_embed_head else 0)
-  if cfg.tie_embeddings and ec.stream_embed_head:
-    fetched += embed
+  n, embed = sum(sizes), sizes[0]
+  fetched = Schedule.build(cfg, ec).fetched_bytes(sizes)  # in elements
   grads = cd * (n - embed) + 4 * embed
   # AdamW-class: read master, grad, 2 moments; write master, 2 moments; write the copy.
   opt = n * (4 + 4 + 16 + cd) + (4 * n * 2 * (ec.grad_accum - 1))
@@ -252,12 +250,14 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
   # Feed-forward chunks are recomputed inside their own jax.checkpoint whatever the
   # mode; "dots" recomputes the attention scores and weighted values too.
   ff = 6.0 * cfg.d_model * cfg.d_ff * cfg.n_layers if cfg.mlp_chunk else 0.0
-  recompute = {"full": recompute_flops_per_token(cfg, seq_len)
+  # A fused tail runs the last layer's forward once (`Schedule.fused_tail`).
+  fused = Schedule.build(cfg, ec).fused_tail
+  recompute = {"full": recompute_flops_per_token(cfg, seq_len, cfg.n_layers - fused)
                * (1 if ec.checkpoint_every == 1 else 2),
                "dots": 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim + ff,
                "none": ff}[ec.recompute]
   flops = (model_flops_per_token(cfg, seq_len) + recompute) * tokens
-  per_micro_calls = 3 + cfg.n_layers * (3 if ec.checkpoint_every == 1 else 4)
+  per_micro_calls = 3 + cfg.n_layers * (3 if ec.checkpoint_every == 1 else 4) - 2 * fused
   b = step_bytes(cfg, ec)
   return {
       "compute": flops / hw.flops_at(cfg.d_model)
