@@ -138,6 +138,17 @@ def test_last_layer_in_the_head_call(tied, depth):
   assert st_f["device_peak_bytes"] <= plan_f.peak["total"]
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_last_layer_in_the_head_call_after_a_batch_of_another_shape(tied):
+  # Another shape drops the next step's fetches queued ahead; without prefetch the
+  # head's (and a tied embedding's) fetch still gets the buffers the held layer needs.
+  cfg = BASE.replace(tie_embeddings=tied)
+  ec = mt.EngineConfig(prefetch_depth=0, timeout_s=20)
+  with mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), ADAMW(), ec) as eng:
+    for s, t in enumerate((16, 8, 16)):
+      assert np.isfinite(eng.step(random_batch(cfg, 4, t, seed=s))["loss"])
+
+
 def test_load_balancing_loss_with_grad_accum_is_refused():
   cfg = BASE.replace(n_experts=4, router_aux_loss_coef=0.01)
   with pytest.raises(ValueError, match="router_aux_loss_coef=0.01 with grad_accum=2"):

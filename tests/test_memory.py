@@ -99,6 +99,39 @@ def test_no_start_buffers_without_prefetch():
   assert stats["device_peak_bytes"] <= memory.step_plan(cfg, ec, 2, 8).peak["total"]
 
 
+def test_fetches_ahead_leave_a_fused_tail_its_buffers():
+  # The head's update is late (deferred updates run in unit order, the head's last),
+  # so the thread fetches the backward's layers ahead while the compute holds the
+  # last layer: it must leave the head a slot, or the step waits on itself.
+  import threading
+  from megatrain_jax.engine.prefetch import Ledger, Prefetcher
+  from megatrain_jax.engine.schedule import Schedule
+  cfg = TINY.replace(n_layers=4)
+  sched = Schedule.build(cfg, mt.EngineConfig())
+  assert sched.fused_tail and sched.tail_needs == {cfg.n_layers + 1: 2}
+  head_ready, fetched = threading.Event(), []
+
+  def fetch(u, tag, deadline, stop):
+    fetched.append(u)
+    return jax.numpy.zeros(4)
+
+  ready = lambda u, tag: u != sched.head or head_ready.is_set()
+  pf = Prefetcher(fetch, depth=2, hold=sched.held, ledger=Ledger(), timeout_s=5.0,
+                  ready=ready)
+  pf.start(sched.fetch_order, 1, sched.limit, sched.start_positions, sched.tail_needs)
+  for u in sched.fetch_order[:cfg.n_layers]:
+    pf.release(pf.get(u)[1], None)
+  pf.get(cfg.n_layers)  # the last layer, held for the head's call
+  deadline = time.monotonic() + 5
+  while len(fetched) < cfg.n_layers + 2 and time.monotonic() < deadline:
+    time.sleep(0.01)  # the thread fetches ahead what it may
+  time.sleep(0.3)  # and more, if it may
+  head_ready.set()
+  pf.get(sched.head)  # a TimeoutError if the fetches ahead took every slot
+  assert pf.out_of_order == 1
+  pf.close()
+
+
 def test_the_last_checkpoints_stay_on_the_device_within_the_peak():
   # With the checkpoints in host memory, the last groups' inputs stay on the device
   # as far as the peak with only the last one kept allows: no more, and more than one.

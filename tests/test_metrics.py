@@ -245,6 +245,9 @@ def test_template_profile_formula(monkeypatch):
   g_embed, ok = calls["out"][0]  # the templates ran through to the embedding's gradient
   assert g_embed.shape == (TINY.vocab_size * TINY.d_model,) and bool(ok)
   assert out["block_fwd_scratch_bytes"] > 0 and out["block_bwd_scratch_bytes"] > 0
+  # The tail (last layer and head in one call) holds the most: the layer's and the
+  # logits'.
+  assert out["tail_scratch_bytes"] >= out["block_bwd_scratch_bytes"]
 
 
 def test_a_child_measurement_returns_what_it_wrote_and_a_failure_is_raised():

@@ -46,8 +46,9 @@ def link_ratios(s: Suite) -> dict[str, Any]:
 
   The link is set so one layer's transfer takes as long as that layer's backward
   compute, the longest per-layer phase (the forward is about a third of it). Then a
-  step moves 2 x L layers, so total transfer exceeds total compute, and perfect
-  overlap would make the step as long as the transfers.
+  step moves 2 x L - 1 layers (the last one's backward runs in the head's call), so
+  total transfer exceeds total compute, and perfect overlap would make the step as
+  long as the transfers.
 
   Args:
     s: the sizes.

@@ -12,6 +12,7 @@ from flax import nnx
 from megatrain_jax.bench.suite import Suite
 from megatrain_jax.bench.timing import median_times, synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.optim import adamw
@@ -104,7 +105,7 @@ def template_times(s: Suite) -> dict[str, Any]:
   """What the per-layer calls cost by themselves: the streaming templates called one
   after another on units already on the device (no engine threads, transfers or
   updates) against the resident remat step, and each block template's XLA scratch
-  (allocated afresh by every call on the CPU backend).
+  (allocated afresh by every call on the CPU backend), and the tail's.
 
   Args:
     s: the sizes.
@@ -123,13 +124,18 @@ def template_times(s: Suite) -> dict[str, Any]:
     tied = units[0] if cfg.tie_embeddings else None
     scale = jnp.float32(1.0 / batch["loss_mask"].sum())
 
-    def templates():
+    before = n - Schedule.build(cfg, EngineConfig()).fused_tail  # layers before the tail
+
+    def templates():  # as the engine's step calls them
       x, inputs = tpl.embed_fwd(units[0], ids), []
-      for i in range(n):
+      for i in range(before):
         inputs.append(x)
         x = tpl.block_fwd(units[1 + i], x, i)[0]
-      _, g, _, g_e, _ = tpl.head(units[n + 1], tied, x, labels, mask, scale)
-      for i in reversed(range(n)):
+      if before < n:
+        _, g, _, g_e, _, _, _ = tpl.tail(units[n], units[n + 1], tied, x, labels, mask, scale)
+      else:
+        _, g, _, g_e, _ = tpl.head(units[n + 1], tied, x, labels, mask, scale)
+      for i in reversed(range(before)):
         g, _, _ = tpl.block_bwd(units[1 + i], inputs[i], g, i)
       return tpl.embed_bwd(ids, g, g_e)
 
@@ -140,4 +146,4 @@ def template_times(s: Suite) -> dict[str, Any]:
           "templates_over_resident_remat": t["templates"] / t["remat"],
           "templates_resident_remat_step_time_s": t["remat"],
           **{f"{k}_scratch_bytes": v for k, v in scratch.items()
-             if k.startswith("block_")}}
+             if k.startswith("block_") or k == "tail"}}

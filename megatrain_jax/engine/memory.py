@@ -390,13 +390,14 @@ def static_device_bytes(cfg: LlamaConfig, ec: EngineConfig) -> int:
     ec: the engine config.
 
   Returns:
-    The parameter buffers in flight (slots x the largest streamed unit) plus the
-    resident units.
+    The parameter buffers in flight (slots, or what a fused tail holds where
+    that is more, x the largest streamed unit) plus the resident units.
   """
   sched = Schedule.build(cfg, ec)
   unit = unit_param_bytes(cfg, ec)
   streamed = [unit[u] for u in sched.fetch_order] or [0]
-  return sched.slots * max(streamed) + sum(unit[u] for u in sched.resident_units())
+  buffers = max(sched.slots, *sched.tail_needs.values(), 0)
+  return buffers * max(streamed) + sum(unit[u] for u in sched.resident_units())
 
 
 def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation

@@ -12,7 +12,7 @@ import collections
 import queue
 import threading
 import time
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
 import jax
 
@@ -71,13 +71,15 @@ class _Cancelled(Exception):
 
 
 class Job(NamedTuple):
-  """One schedule to fetch: its id, unit order, tag (the step), slot limits, and how
-  many first positions may fill start buffers."""
+  """One schedule to fetch: its id, unit order, tag (the step), slot limits, how
+  many first positions may fill start buffers, and the buffers a fused tail's
+  fetches need by position (`Schedule.tail_needs`)."""
   id: int
   order: tuple[int, ...]
   tag: int
   limit: Callable[[int], int]
   starts: int = 0
+  needs: Mapping[int, int] = {}
 
 
 class Prefetcher:
@@ -95,8 +97,9 @@ class Prefetcher:
   `ready(u, tag)` says whether unit u can be fetched for step `tag` now (its
   update from the step before is done). When the next unit is not ready, the
   thread fetches the first ready one further on into a spare slot, keeping `hold`
-  slots (the most buffers the compute holds at once) for the units in order, so
-  the link keeps working while the last updates of the step before finish.
+  slots (the most buffers the compute holds at once; a fused tail's fetches, in
+  `needs`, one more) for the units in order, so the link keeps working while the
+  last updates of the step before finish.
   """
 
   def __init__(self, fetch: Callable[..., jax.Array], depth: int,
@@ -149,8 +152,9 @@ class Prefetcher:
 
   def _limit(self, job: Job, position: int) -> int:
     """The slots a fetch at `position` of `job` may fill now."""
-    base = self._hold + self.depth
-    return job.limit(position) if self._done_through >= job.id - 1 else base
+    if position < job.starts and self._done_through < job.id - 1:
+      return self._hold + self.depth  # no start buffer before the job before is done
+    return job.limit(position)
 
   def _acquire_slot(self, job: Job, position: int, deadline: float | None) -> None:
     """Takes a slot under the position's limit; a caller gives a deadline, the thread
@@ -179,13 +183,16 @@ class Prefetcher:
     self.start_buffer_fetches += (position < job.starts
                                   and self._in_use > self._hold + self.depth)
 
-  def _try_spare_slot(self, job: Job, position: int) -> bool:
+  def _try_spare_slot(self, job: Job, position: int, first: int) -> bool:
     """A free slot for a unit out of order, without waiting (released buffers whose
     compute is done are reclaimed first). Buffers fetched out of order and not yet
-    taken stay under limit - hold, so the units in order always have `hold` slots."""
+    taken stay under limit - hold, so the units in order always have `hold` slots:
+    more where a fused tail's fetch lies between the first unit pending (`first`)
+    and this one, which the compute makes while holding the last layer."""
     limit = self._limit(job, position)
+    reserve = max([self._hold, *(n for q, n in job.needs.items() if first <= q < position)])
     with self._cond:
-      if len(self._ahead) + self._hold >= limit:
+      if len(self._ahead) + reserve >= limit:
         return False
       while self._released and self._in_use >= limit:
         key, arr = self._released[0]
@@ -269,7 +276,7 @@ class Prefetcher:
       # next anyway): the memory model counts buffers around the compute's position.
       reach = n + job.limit(n)
       ahead = next((p for p in pending[1:] if p < reach and ready(p)), None)
-      if ahead is not None and self._try_spare_slot(job, ahead):
+      if ahead is not None and self._try_spare_slot(job, ahead, n):
         self.out_of_order += 1
         arr = self._fetch_held(job.order[ahead], ("param", job.id, ahead), job.tag)
         with self._cond:
@@ -306,7 +313,7 @@ class Prefetcher:
     return error
 
   def start(self, order, tag: int = 0, limit: Callable[[int], int] | None = None,
-            starts: int = 0) -> None:
+            starts: int = 0, needs: Mapping[int, int] | None = None) -> None:
     """Queues a schedule for step `tag`; `get` takes its units in order, after those
     of the schedules started before it.
 
@@ -314,13 +321,14 @@ class Prefetcher:
       order: unit indices, in the order the compute takes them.
       tag: the step the fetches are for (passed to `fetch` and `ready`).
       limit: slots a fetch at each position may fill (default: hold + depth).
-      starts: how many first positions' limits include start buffers (for
-        `start_buffer_fetches`).
+      starts: how many first positions' limits include start buffers.
+      needs: buffers a fused tail's fetches need, by position (kept free of
+        out-of-order fetches).
     """
     self.check()
     self._job_ids += 1
     job = Job(self._job_ids, tuple(order), tag,
-              limit or (lambda p: self._hold + self.depth), starts)
+              limit or (lambda p: self._hold + self.depth), starts, needs or {})
     self._started.append(job)
     if self._thread is not None:
       with self._cond:

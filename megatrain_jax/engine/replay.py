@@ -124,8 +124,9 @@ def replay(unit: list[int], grad: list[int], activations: str, sched: Schedule, 
   ckpts = ckpt(len(groups), "head")
   at({"activation_checkpoints": ckpts, "activations": act,
       "gradients_in_flight": queued()})
+  tail_g = grad[L] if sched.fused_tail else 0  # made in the head's call
   at({"activation_checkpoints": ckpts, "activations": 2 * act,
-      "gradients_in_flight": queued() + grad[sched.head] + tied_g})
+      "gradients_in_flight": queued() + grad[sched.head] + tied_g + tail_g})
   send(sched.head)
   layer0 = 0
   for gi, (s, e) in enumerate(reversed(groups)):

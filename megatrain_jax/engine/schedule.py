@@ -23,8 +23,9 @@ class Schedule:
     groups: layer ranges [start, end) whose input is an activation checkpoint, in
       forward order; the backward runs them in reverse.
     fetch_order: units in the order one micro-batch fetches them: the forward, the
-      head (then the tied embedding), then each group's layers, last group first.
-      Resident units (`stream_embed_head=False`) are not fetched.
+      head (then the tied embedding), then each group's layers, last group first
+      (but a fused tail's, still on the device). Resident units
+      (`stream_embed_head=False`) are not fetched.
     grad_order: units in the order their gradients leave the device: the head, the
       layers from the top down to layer 1, the embedding, then layer 0 (the next
       forward needs the embedding first). Per-unit updates run in this order.

@@ -68,7 +68,8 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   mask = tp.to_device(batch["loss_mask"])
   extra = {k: tp.to_device(batch[k]) for k in ("positions", "segment_ids") if k in batch}
   if start_next:
-    pf.start(schedule.fetch_order, guard.step + 1, schedule.limit, schedule.start_positions)
+    pf.start(schedule.fetch_order, guard.step + 1, schedule.limit, schedule.start_positions,
+             schedule.tail_needs)
 
   def get(u: int):
     if u in rt.schedule.resident_units():
@@ -134,6 +135,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
         held[0], p_h, p_e, x, labels, mask, scale, **extra)
     release(held[1], g)
     held = None
+    ledger.add(("grad", schedule.n_layers), g_last.nbytes)  # made with the head's
   else:
     loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, x, labels, mask, scale)
   release(key_h, g)
@@ -155,7 +157,6 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
       offload.prefetch(backward[0][0])
     ckpts.pop(s, None)
     ledger.remove(("ckpt", s))
-    ledger.add(("grad", 1 + s), g_last.nbytes)
     if s:
       send(1 + s, g_last, finite_last)
     else:
@@ -249,7 +250,7 @@ def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], to
   for m in range(grad_accum):
     if not (m == 0 and started):
       rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit,
-                          plan.schedule.start_positions)
+                          plan.schedule.start_positions, plan.schedule.tail_needs)
     last = update and m == grad_accum - 1
     micro = {k: v[m * b // grad_accum:(m + 1) * b // grad_accum] for k, v in batch.items()}
     loss_sum, nbytes = micro_step(rt, tpl, plan.schedule, micro, scale, guard, last,

@@ -360,6 +360,12 @@ class Templates:
       bwd.append(temp(self._block_bwd_kept, flat, x, kept, x, g_probs, pos, seg, spec,
                       window))
     out["block_fwd"], out["block_bwd"] = _largest(fwd), _largest(bwd)
+    last = self.cfg.n_layers - 1
+    if self.recompute == "full" and last >= 0 and not self.cfg.layer_is_moe(last):
+      spec, window = self._kinds[last]  # the fused tail's, where the schedule has one
+      out["tail"] = temp(self._tail, S((spec.size,), dtype), S((head.size,), dtype), tied_e,
+                         x, ids, S((b, t), jnp.float32), S((), jnp.float32), pos, seg,
+                         spec, window)
     return out
 
   def _counted(self, name: str, fn):

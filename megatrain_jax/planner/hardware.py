@@ -18,6 +18,7 @@ import numpy as np
 from megatrain_jax.bench import timing
 from megatrain_jax.engine import EngineConfig, StreamingTrainer, platform
 from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.schedule import Schedule
 from megatrain_jax.engine.transport import DeviceTransport
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
@@ -166,10 +167,12 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
   for d in widths or ((128, 512) if quick else (128, 256, 512, 1024)):
     cfg = LlamaConfig(vocab_size=256, d_model=d, n_layers=2, n_heads=max(d // 64, 2),
                       n_kv_heads=max(d // 128, 1), d_ff=3 * d, max_seq_len=t)
-    with StreamingTrainer.from_config(cfg, adamw(1e-4), EngineConfig(compute_dtype=dtype),
-                                      jax.random.key(0)) as eng:
+    ec = EngineConfig(compute_dtype=dtype)
+    with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
       step_s = timing.median_time(lambda: (eng.step(sample), eng.wait()), reps)
-    flops = b * t * (model_flops_per_token(cfg, t) + recompute_flops_per_token(cfg, t))
+    # A fused tail runs the last layer's forward once (`Schedule.fused_tail`).
+    again = cfg.n_layers - Schedule.build(cfg, ec).fused_tail
+    flops = b * t * (model_flops_per_token(cfg, t) + recompute_flops_per_token(cfg, t, again))
     points.append((d, flops / step_s))
 
   tp = DeviceTransport()
