@@ -153,7 +153,8 @@ class Prefetcher:
   def _limit(self, job: Job, position: int) -> int:
     """The slots a fetch at `position` of `job` may fill now."""
     if position < job.starts and self._done_through < job.id - 1:
-      return self._hold + self.depth  # no start buffer before the job before is done
+      # No start buffer before the job before is done; a fused tail's need stays.
+      return max(self._hold + self.depth, job.needs.get(position, 0))
     return job.limit(position)
 
   def _acquire_slot(self, job: Job, position: int, deadline: float | None) -> None:
