@@ -106,6 +106,7 @@ def test_fetches_ahead_leave_a_fused_tail_its_buffers():
   import threading
   from megatrain_jax.engine.prefetch import Ledger, Prefetcher
   from megatrain_jax.engine.schedule import Schedule
+  from megatrain_jax.engine.step import start_fetches
   cfg = TINY.replace(n_layers=4)
   sched = Schedule.build(cfg, mt.EngineConfig())
   assert sched.fused_tail and sched.tail_needs == {cfg.n_layers + 1: 2}
@@ -118,7 +119,7 @@ def test_fetches_ahead_leave_a_fused_tail_its_buffers():
   ready = lambda u, tag: u != sched.head or head_ready.is_set()
   pf = Prefetcher(fetch, depth=2, hold=sched.held, ledger=Ledger(), timeout_s=5.0,
                   ready=ready)
-  pf.start(sched.fetch_order, 1, sched.limit, sched.start_positions, sched.tail_needs)
+  start_fetches(pf, sched, 1)
   for u in sched.fetch_order[:cfg.n_layers]:
     pf.release(pf.get(u)[1], None)
   pf.get(cfg.n_layers)  # the last layer, held for the head's call

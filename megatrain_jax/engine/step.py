@@ -68,8 +68,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   mask = tp.to_device(batch["loss_mask"])
   extra = {k: tp.to_device(batch[k]) for k in ("positions", "segment_ids") if k in batch}
   if start_next:
-    pf.start(schedule.fetch_order, guard.step + 1, schedule.limit, schedule.start_positions,
-             schedule.tail_needs)
+    start_fetches(pf, schedule, guard.step + 1)
 
   def get(u: int):
     if u in rt.schedule.resident_units():
@@ -204,6 +203,19 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   return loss_sum, sum(v.nbytes for v in batch.values())
 
 
+def start_fetches(pf, schedule: Schedule, step: int) -> None:
+  """Queues one micro-batch's fetches for `step` in the schedule's order, under its
+  slot limits (start buffers, a fused tail's needs).
+
+  Args:
+    pf: the `Prefetcher`.
+    schedule: the micro-batch's schedule.
+    step: the step the fetches are for.
+  """
+  pf.start(schedule.fetch_order, step, schedule.limit, schedule.start_positions,
+           schedule.tail_needs)
+
+
 def _reuse(tpl: Templates, pool, p, x, layer: int, extra: dict) -> tuple | None:
   """Buffers for `block_fwd_keep` to write into: the pool's, or new ones when it has
   none of these shapes (the first step), so that the template has one signature."""
@@ -249,8 +261,7 @@ def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], to
   rt.last_plan = plan
   for m in range(grad_accum):
     if not (m == 0 and started):
-      rt.prefetcher.start(plan.schedule.fetch_order, guard.step, plan.schedule.limit,
-                          plan.schedule.start_positions, plan.schedule.tail_needs)
+      start_fetches(rt.prefetcher, plan.schedule, guard.step)
     last = update and m == grad_accum - 1
     micro = {k: v[m * b // grad_accum:(m + 1) * b // grad_accum] for k, v in batch.items()}
     loss_sum, nbytes = micro_step(rt, tpl, plan.schedule, micro, scale, guard, last,

@@ -120,10 +120,12 @@ class Templates:
       g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
       return g_x, g_flat, all_finite(g_flat)
 
+    def loss(fh, fe, x, labels, mask):  # the head's loss sum from its flat units
+      return head_loss_sum(cfg, head.unflatten(fh), embed.unflatten(fe) if tied else None,
+                           x, labels, mask, chunk)
+
     def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
-      def f(fh, fe, x):
-        return head_loss_sum(cfg, head.unflatten(fh), embed.unflatten(fe) if tied else None,
-                             x, labels, mask, chunk)
+      f = lambda fh, fe, x: loss(fh, fe, x, labels, mask)
       loss_sum, vjp = jax.vjp(f, flat_h, flat_e, x)
       g_h, g_e, g_x = vjp(scale)
       return loss_sum, g_x, g_h, g_e, all_finite(g_h)
@@ -133,8 +135,7 @@ class Templates:
       # its residuals live only inside this call.
       def f(fb, fh, fe, x):
         y, _ = llama.block_apply_stats(cfg, spec.unflatten(fb), x, pos, window, seg)
-        return head_loss_sum(cfg, head.unflatten(fh), embed.unflatten(fe) if tied else None,
-                             y, labels, mask, chunk)
+        return loss(fh, fe, y, labels, mask)
       loss_sum, vjp = jax.vjp(f, flat_b, flat_h, flat_e, x)
       g_b, g_h, g_e, g_x = vjp(scale)
       return loss_sum, g_x, g_h, g_e, all_finite(g_h), g_b, all_finite(g_b)
