@@ -11,7 +11,7 @@ Two profiles run only when named: `templates`, the per-layer calls alone, and
 `host_optimizer_profile`, where the host AdamW's time goes (`--opt_slab` sets its
 piece size, `--host_chunk` the in-place loop's chunk in both host-optimizer parts).
 The process restarts once with malloc asking for transparent huge pages (see
-`megatrain_jax/engine/host_memory.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
+`megatrain_jax/launch.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """
 
 import json
@@ -19,7 +19,7 @@ import json
 from absl import app, flags, logging
 
 from megatrain_jax import bench
-from megatrain_jax.engine import host_memory
+from megatrain_jax import launch
 from megatrain_jax.models.config import LlamaConfig
 
 flags.DEFINE_enum("suite", "cpu", ["cpu", "smoke"], "Which sizes to run.")
@@ -47,7 +47,7 @@ SUITES = {
 
 def main(argv):
   del argv
-  host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
+  launch.use_huge_pages()  # first: may restart the process once, see its docstring
   logging.set_verbosity(logging.INFO)
   suite = SUITES[FLAGS.suite]
   if FLAGS.reps is not None:

@@ -23,7 +23,8 @@ from absl import app, flags, logging
 from megatrain_jax import config_flags
 from megatrain_jax import distributed
 from megatrain_jax import train as train_lib
-from megatrain_jax.engine import EngineConfig, host_memory
+from megatrain_jax.engine import EngineConfig
+from megatrain_jax import launch
 
 for _name in (config_flags.define_flags(train_lib.TrainConfig)
               + config_flags.define_flags(EngineConfig)
@@ -43,7 +44,7 @@ def _batch_size(text: str):
 
 def main(argv):
   del argv
-  host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
+  launch.use_huge_pages()  # first: may restart the process once, see its docstring
   logging.set_verbosity(logging.INFO)
   try:
     ec = EngineConfig(**config_flags.from_flags(EngineConfig))

@@ -8,7 +8,7 @@ position, the run's settings, the layout and a CRC-32 of every array).
 - Layer by layer from host memory: the writer thread reads a `Snapshot` one
   unit at a time and never stages anything on the accelerator.
 - Asynchronous: `save` returns at once; training goes on while the writer works.
-  The trainer's `Snapshot` (`engine/state.py`) keeps the saved state that of the
+  The trainer's `Snapshot` (`engine/host/state.py`) keeps the saved state that of the
   save's step: an update copies a part the writer has not read yet, at most one
   ahead of the writer, then waits for it. The writer reads the parts in the order
   the updates change them, and closes the snapshot when it ends, failed or not.
@@ -45,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
-from megatrain_jax.engine.state import Snapshot, TrainerState
+from megatrain_jax.engine.host.state import Snapshot, TrainerState
 
 FORMAT_VERSION = 1
 # Seconds the writer sleeps before each part: a fault-injection hook, so tests can

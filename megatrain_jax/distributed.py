@@ -6,7 +6,7 @@ command in each, with `--coordinator_address`, `--num_processes` and
 environment). `initialize` connects them before any JAX backend starts; on the
 CPU backend it selects gloo collectives. From then on:
 
-- the engine's mesh spans every process's devices (`engine/mesh.py`): each process
+- the engine's mesh spans every process's devices (`engine/device/mesh.py`): each process
   feeds its own devices and its own rows of every batch, and holds a full copy of
   the host state, to which every process applies the same update;
 - the data reader gives each process its share of every global batch

@@ -4,7 +4,7 @@
 state). It also carries its hyperparameters, so the streaming engine's host
 optimizer can apply optax's own sequence of element-wise operations straight to each
 unit's flat buffers: in place, a cache-sized chunk at a time, one thread per part of
-the unit (`engine/host_optimizer.py`), so p, m and v are each read and written once
+the unit (`engine/host/optimizer.py`), so p, m and v are each read and written once
 from memory. For a given gradient the result is `optax.adamw`'s, bit for bit (tests
 check this). Any other transform goes through optax as it is.
 """

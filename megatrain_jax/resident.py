@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from megatrain_jax.engine.state import Snapshot, static_snapshot
+from megatrain_jax.engine.host.state import Snapshot, static_snapshot
 from megatrain_jax.models.batch import check_batch
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.models.loss import model_loss

@@ -21,9 +21,11 @@ from megatrain_jax import planner
 from megatrain_jax import progress
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import optim
-from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer, memory
-from megatrain_jax.engine import pinned, platform
-from megatrain_jax.engine import preflight as preflight_lib
+from megatrain_jax.engine import EngineConfig, SimulatedLink, StreamingTrainer
+from megatrain_jax.engine.plan import memory
+from megatrain_jax.engine.plan import pinned
+from megatrain_jax.engine import platform
+from megatrain_jax.engine.plan import preflight as preflight_lib
 from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig, preset
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.resident import ResidentTrainer

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatrain_jax import data as data_lib
-from megatrain_jax.engine import transport as transport_lib
+from megatrain_jax.engine.device import transport as transport_lib
 from megatrain_jax.models import LlamaConfig
 
 import os
@@ -25,7 +25,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _CACHE_DIR)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 # Launchers started by tests run as started: the restart for huge pages has its own
-# test (test_engine.py::test_use_huge_pages_restarts_once_with_the_tunable) and would
+# test (test_launch.py::test_use_huge_pages_restarts_once_with_the_tunable) and would
 # add a second interpreter start to every other one.
 os.environ.setdefault("MEGATRAIN_HUGE_PAGES", "0")
 

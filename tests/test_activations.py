@@ -11,8 +11,9 @@ import pytest
 
 import megatrain_jax as mt
 from megatrain_jax import planner
-from megatrain_jax.engine import memory, residuals
-from megatrain_jax.engine import transport as transport_lib
+from megatrain_jax.engine.plan import memory, sizes
+from megatrain_jax.engine.device import residuals
+from megatrain_jax.engine.device import transport as transport_lib
 
 from conftest import TINY, random_batch
 
@@ -161,26 +162,26 @@ def test_sixteen_layers_peak_near_four_and_the_bytes_moved_are_the_formula(recom
     # Every checkpoint but the last layers' (those that fit within the peak) goes
     # down once and comes up once: the block input, with its kept matmul outputs
     # for "dots".
-    ckpt = 8 * 128 * 128 * 4 + residuals.kept_bytes(cfg, 0, recompute, 8, 128, "float32")
-    assert ckpt <= residuals.checkpoint_bytes(cfg, ec, 8, 128)  # the model's bound
+    ckpt = 8 * 128 * 128 * 4 + sizes.kept_bytes(cfg, 0, recompute, 8, 128, "float32")
+    assert ckpt <= sizes.checkpoint_bytes(cfg, ec, 8, 128)  # the model's bound
     # Within the peak: 2 with full recompute, 1 with the larger "dots" checkpoints.
     sent = n - {"full": 2, "dots": 1}[recompute]
     assert sent == stats["host_checkpoint_groups"] == len(sched.host_groups())
     assert last["activation_bytes"] == {"d2h": sent * ckpt, "h2d": sent * ckpt}
-    assert last["h2d_bytes"] == (sched.fetched_bytes(memory.unit_param_bytes(cfg, ec))
+    assert last["h2d_bytes"] == (sched.fetched_bytes(sizes.unit_param_bytes(cfg, ec))
                                  + sum(v.nbytes for v in batch.values()))
-    assert last["d2h_bytes"] == sum(memory.unit_grad_bytes(cfg, ec))
+    assert last["d2h_bytes"] == sum(sizes.unit_grad_bytes(cfg, ec))
   assert peaks[16] <= 1.15 * peaks[4], peaks
 
 
 def test_kept_residuals_hold_activations_not_weights():
   # One layer's weights (0.6 MB, the smallest kernel 32 KiB) against 2 tokens of
   # activations (1 KiB each): a kept weight would pass the bound.
-  layer = memory.unit_param_bytes(WIDE, mt.EngineConfig())[1]
+  layer = sizes.unit_param_bytes(WIDE, mt.EngineConfig())[1]
   for recompute in ("dots", "none"):
-    kept = residuals.kept_bytes(WIDE, 0, recompute, 1, 2, "float32")
+    kept = sizes.kept_bytes(WIDE, 0, recompute, 1, 2, "float32")
     assert 0 < kept < layer / 20, (recompute, kept, layer)
-  assert residuals.kept_bytes(WIDE, 0, "full", 1, 2, "float32") == 0
+  assert sizes.kept_bytes(WIDE, 0, "full", 1, 2, "float32") == 0
 
 
 def test_recompute_none_keeps_one_score_sized_array_per_head():
@@ -189,7 +190,7 @@ def test_recompute_none_keeps_one_score_sized_array_per_head():
   # The probabilities alone are 4 bytes (fp32); the exp, the mask and a zeros array
   # would add 9 more.
   t = 32
-  kept = lambda n: residuals.kept_bytes(WIDE, 0, "none", 1, n, "float32")
+  kept = lambda n: sizes.kept_bytes(WIDE, 0, "none", 1, n, "float32")
   per_pair = (kept(t) - 2 * kept(2 * t) + kept(3 * t)) / (2 * t * t)
   assert per_pair == WIDE.n_heads * 4, per_pair
 
@@ -230,7 +231,7 @@ def test_the_cpu_backend_step_reuses_the_residual_buffers_of_the_step_before():
   # which wait on the device between steps (and the ledger counts them).
   cfg = CFG.replace(n_layers=3)
   ec = mt.EngineConfig(recompute="none")
-  ck = 4 * 64 * cfg.d_model * 4 + residuals.kept_bytes(cfg, 0, "none", 4, 64, "float32")
+  ck = 4 * 64 * cfg.d_model * 4 + sizes.kept_bytes(cfg, 0, "none", 4, 64, "float32")
   with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
     kept = []
     for s in range(3):

@@ -1,8 +1,5 @@
 """StreamingTrainer against ResidentTrainer, and its resource bounds."""
 
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,9 +12,8 @@ from flax import nnx
 
 import megatrain_jax as mt
 from megatrain_jax import data as data_lib
-from megatrain_jax.engine import host_memory
-from megatrain_jax.engine import memory as engine_memory
-from megatrain_jax.engine import transport as transport_lib
+from megatrain_jax.engine.plan import memory as engine_memory
+from megatrain_jax.engine.device import transport as transport_lib
 from conftest import TINY, random_batch
 
 BASE = TINY.replace(n_layers=4)
@@ -441,46 +437,6 @@ def test_grad_accum_must_divide_batch():
                            mt.EngineConfig(grad_accum=3)) as eng:
     with pytest.raises(ValueError, match="grad_accum=3"):
       eng.step(random_batch(BASE, 4, 8))
-
-
-# -- transparent huge pages for the launchers ----------------------------------
-
-@pytest.mark.parametrize("environ, mode, want", [
-    ({}, "madvise", "glibc.malloc.hugetlb=1"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise",
-     "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"),
-    ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}, "madvise", None),  # the user's choice
-    ({"MEGATRAIN_HUGE_PAGES": "0"}, "madvise", None),
-    ({}, "always", None),
-    ({}, "never", None),
-    ({}, None, None),
-])
-def test_huge_page_environ(environ, mode, want):
-  env = host_memory.huge_page_environ(environ, mode)
-  assert (env and env["GLIBC_TUNABLES"]) == want
-  if env is not None:
-    assert env is not environ and {k: env[k] for k in environ if k != "GLIBC_TUNABLES"} == \
-        {k: v for k, v in environ.items() if k != "GLIBC_TUNABLES"}
-
-
-def test_thp_mode_reads_the_bracketed_choice(tmp_path):
-  f = tmp_path / "enabled"
-  f.write_text("always [madvise] never\n")
-  assert host_memory.thp_mode(str(f)) == "madvise"
-  assert host_memory.thp_mode(str(tmp_path / "missing")) is None
-
-
-def test_use_huge_pages_restarts_once_with_the_tunable():
-  code = ("import os; from megatrain_jax.engine import host_memory as h; "
-          "h.use_huge_pages(); print('TUNABLES', os.environ.get('GLIBC_TUNABLES'))")
-  env = {k: v for k, v in os.environ.items()
-         if k not in ("GLIBC_TUNABLES", host_memory.OPT_OUT)}
-  out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                       text=True, timeout=120, check=True).stdout
-  lines = [l for l in out.splitlines() if l.startswith("TUNABLES")]
-  assert len(lines) == 1  # the restarted process printed once, and did not restart again
-  offered = (host_memory.thp_mode() == "madvise" and host_memory.glibc_has_hugetlb())
-  assert lines[0] == ("TUNABLES glibc.malloc.hugetlb=1" if offered else "TUNABLES None")
 
 
 def test_resident_units_are_read_after_their_deferred_update():

@@ -9,8 +9,8 @@ import optax
 import pytest
 
 from megatrain_jax import optim
-from megatrain_jax.engine.host_adamw import chunked_adamw_update, part_bounds
-from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.host.adamw import chunked_adamw_update, part_bounds
+from megatrain_jax.engine.host.optimizer import HostOptimizer
 
 SCHEDULE = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 2, 10)
 

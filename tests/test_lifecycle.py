@@ -15,7 +15,7 @@ import optax
 import pytest
 
 import megatrain_jax as mt
-from megatrain_jax.engine import transport as transport_lib
+from megatrain_jax.engine.device import transport as transport_lib
 
 from conftest import TINY, random_batch
 
@@ -193,7 +193,8 @@ def test_cancel_ends_a_fetch_waiting_for_an_update_taken_back():
   # must end that wait at once, and give the slot back, not wait out timeout_s.
   import threading
   import time
-  from megatrain_jax.engine.prefetch import Ledger, Prefetcher
+  from megatrain_jax.engine.device.ledger import Ledger
+  from megatrain_jax.engine.device.prefetch import Prefetcher
   waiting = threading.Event()
 
   def fetch(u, tag, deadline, stop):

@@ -5,7 +5,7 @@ import optax
 import pytest
 
 import megatrain_jax as mt
-from megatrain_jax.engine import memory, preflight
+from megatrain_jax.engine.plan import memory, preflight
 
 from conftest import random_batch
 

@@ -8,8 +8,8 @@ import optax
 import pytest
 
 import megatrain_jax as mt
-from megatrain_jax.engine import memory, preflight
-from megatrain_jax.engine import transport as transport_lib
+from megatrain_jax.engine.plan import memory, preflight
+from megatrain_jax.engine.device import transport as transport_lib
 
 from conftest import TINY, SlowGradients, random_batch
 
@@ -104,9 +104,10 @@ def test_fetches_ahead_leave_a_fused_tail_its_buffers():
   # so the thread fetches the backward's layers ahead while the compute holds the
   # last layer: it must leave the head a slot, or the step waits on itself.
   import threading
-  from megatrain_jax.engine.prefetch import Ledger, Prefetcher
-  from megatrain_jax.engine.schedule import Schedule
-  from megatrain_jax.engine.step import start_fetches
+  from megatrain_jax.engine.device.ledger import Ledger
+  from megatrain_jax.engine.device.prefetch import Prefetcher
+  from megatrain_jax.engine.plan.schedule import Schedule
+  from megatrain_jax.engine.execute import start_fetches
   cfg = TINY.replace(n_layers=4)
   sched = Schedule.build(cfg, mt.EngineConfig())
   assert sched.fused_tail and sched.tail_needs == {cfg.n_layers + 1: 2}

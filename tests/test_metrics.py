@@ -10,7 +10,7 @@ from megatrain_jax import bench, metrics
 from megatrain_jax.bench import host_memory as bench_memory
 from megatrain_jax.bench import host_optimizer as bench_opt
 from megatrain_jax.bench import link, steps, timing
-from megatrain_jax.engine import host_adamw
+from megatrain_jax.engine.host import adamw as host_adamw
 from megatrain_jax.models.config import preset
 from conftest import TINY
 

@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import megatrain_jax as mt
-from megatrain_jax.engine import probe as probe_lib
+from megatrain_jax.engine.host import probe as probe_lib
 
 from conftest import TINY, random_batch
 

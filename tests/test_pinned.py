@@ -7,14 +7,14 @@ import sys
 import pytest
 
 import megatrain_jax as mt
-from megatrain_jax.engine import memory, pinned
+from megatrain_jax.engine.plan import memory, pinned, sizes
 
 GiB = 2**30
 
 
 def test_pinned_bytes_are_the_kept_copies_and_the_sent_checkpoints():
   cfg = mt.preset("small")
-  n, largest = sum(memory.unit_sizes(cfg)), max(memory.unit_sizes(cfg))
+  n, largest = sum(sizes.unit_sizes(cfg)), max(sizes.unit_sizes(cfg))
   act = 8 * 512 * cfg.d_model * 2
   groups = -(-cfg.n_layers // 2)
   for activations, kept in (("device", None), ("host", 1), ("auto", 1), ("host", None)):
@@ -35,7 +35,7 @@ def test_pinned_bytes_are_the_kept_copies_and_the_sent_checkpoints():
 
 def test_counting_them_starts_no_backend():
   # What lets a launcher set the limit before XLA's GPU client reads it.
-  code = ("import megatrain_jax as mt; from megatrain_jax.engine import pinned; "
+  code = ("import megatrain_jax as mt; from megatrain_jax.engine.plan import pinned; "
           "from jax._src import xla_bridge; "
           "p = pinned.pinned_bytes(mt.preset('30b_a3b'), mt.EngineConfig("
           "compute_dtype='bfloat16'), 8, 4096); "
@@ -76,7 +76,7 @@ def test_left_unset_below_the_default(monkeypatch):
 
 def test_the_preflight_refuses_a_run_over_the_limit_on_a_gpu(monkeypatch):
   import optax
-  from megatrain_jax.engine import preflight
+  from megatrain_jax.engine.plan import preflight
   monkeypatch.setattr(preflight, "on_gpu", lambda: True)  # the check applies on a GPU
   monkeypatch.setenv(pinned.ENV, "1")
   cfg = mt.preset("300m")  # 0.59 GiB of bf16 copies and 0.78 GiB of checkpoints

@@ -14,7 +14,7 @@ from megatrain_jax import figures, planner
 from megatrain_jax import train as train_lib
 from megatrain_jax.bench import planner as bench_planner
 from megatrain_jax.bench.timing import synthetic_batch
-from megatrain_jax.engine import memory
+from megatrain_jax.engine.plan import sizes
 
 from conftest import SlowGradients
 
@@ -29,7 +29,7 @@ def test_7b_memory_by_hand():
   n = 6_738_415_616  # Llama-2-7B: 32 x 202,383,360 + 2 x 32000 x 4096 + 4096
   assert p.params == n
   block = 4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
-  assert memory.unit_sizes(cfg)[1] == block
+  assert sizes.unit_sizes(cfg)[1] == block
   assert p.host["masters"] == 4 * n
   assert p.host["optimizer_state"] == 8 * n + 34 * 4  # two fp32 moments, a count per unit
   assert p.host["pinned_copies"] == 2 * (n + block)  # + the largest unit being replaced
@@ -47,8 +47,8 @@ def test_step_bytes_follow_each_layers_size():
   # tiny_moe: a dense layer 0 and three MoE layers twice its size. The planner's bytes
   # per step are what the engine moves (the batch's own bytes aside).
   cfg, ec = mt.preset("tiny_moe"), mt.EngineConfig()
-  sizes = memory.unit_param_bytes(cfg, ec)
-  assert sizes[2] > 1.5 * sizes[1]
+  counts = sizes.unit_param_bytes(cfg, ec)
+  assert counts[2] > 1.5 * counts[1]
   batch = synthetic_batch(cfg, 2, 32)
   with mt.StreamingTrainer.from_config(cfg, ADAMW, ec, jax.random.key(0)) as eng:
     for _ in range(2):

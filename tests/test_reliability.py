@@ -8,7 +8,7 @@ from flax import nnx
 
 import megatrain_jax as mt
 from megatrain_jax import train as train_lib
-from megatrain_jax.engine import memory
+from megatrain_jax.engine.plan import memory, sizes
 
 from conftest import TINY, random_batch
 
@@ -170,15 +170,15 @@ def test_memory_arithmetic_matches_a_hand_count():
                        d_ff=128, max_seq_len=64)
   ec = mt.EngineConfig(compute_dtype="bfloat16")
   block = 64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64  # q,o + k,v + mlp + 2 norms
-  sizes = [1000 * 64] + [block] * 3 + [64 + 64 * 1000]
-  n = sum(sizes)
-  assert memory.unit_sizes(cfg) == sizes and n == cfg.param_count()
+  counts = [1000 * 64] + [block] * 3 + [64 + 64 * 1000]
+  n = sum(counts)
+  assert sizes.unit_sizes(cfg) == counts and n == cfg.param_count()
   host = memory.host_bytes(cfg, optax.adamw(1e-3), ec, on_cpu=False)
   assert host["masters"] == 4 * n
   assert host["optimizer_state"] == 8 * n + 5 * 4  # mu, nu + an int32 count per unit
-  assert host["pinned_copies"] == 2 * (n + max(sizes))  # kept on an accelerator
+  assert host["pinned_copies"] == 2 * (n + max(counts))  # kept on an accelerator
   assert memory.host_bytes(cfg, optax.adamw(1e-3), ec, on_cpu=True)["pinned_copies"] == 0
-  assert host["gradient_buffers"] == 5 * 4 * max(sizes)  # queued between the threads
+  assert host["gradient_buffers"] == 5 * 4 * max(counts)  # queued between the threads
   clipped = memory.host_bytes(cfg, optax.chain(optax.clip_by_global_norm(1.0),
                                                optax.adamw(1e-3)), ec)
   assert clipped["gradient_buffers"] == 4 * n + 5 * 4 * max(sizes)  # + fp32 accumulators

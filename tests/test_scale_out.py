@@ -40,10 +40,11 @@ def run(n, **kw):
     spread = max(len(a.sharding.device_set) for a in jax.live_arrays())
     # What each device should move per step: every fetch of the schedule (each
     # micro-batch) and the batch in, every unit's gradient (each micro-batch) out.
-    mem = mt.engine.memory
-    fetched = mem.step_plan(cfg, ec, 8, 16).schedule.fetched_bytes(mem.unit_param_bytes(cfg, ec))
+    from megatrain_jax.engine.plan import memory, sizes
+    fetched = memory.step_plan(cfg, ec, 8, 16).schedule.fetched_bytes(
+        sizes.unit_param_bytes(cfg, ec))
     formula = {"h2d": ec.grad_accum * fetched + sum(v.nbytes for v in b0.values()),
-               "d2h": ec.grad_accum * sum(mem.unit_grad_bytes(cfg, ec))}
+               "d2h": ec.grad_accum * sum(sizes.unit_grad_bytes(cfg, ec))}
     return loss0, grads, losses, eng.params(), {**eng.stats(), "spread": spread,
                                                 "formula": formula}
 

@@ -12,7 +12,7 @@ import optax
 from megatrain_jax.bench.suite import Suite
 from megatrain_jax.bench.timing import (ADAMW_BYTES_PER_PARAM, TRIAD_BYTES_PER_ELEMENT,
                                         donated_triad, host_normal, median_times)
-from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.host.optimizer import HostOptimizer
 from megatrain_jax.optim import adamw, fused_adamw_update
 
 

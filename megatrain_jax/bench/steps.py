@@ -12,7 +12,7 @@ from flax import nnx
 from megatrain_jax.bench.suite import Suite
 from megatrain_jax.bench.timing import median_times, synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
-from megatrain_jax.engine.schedule import Schedule
+from megatrain_jax.engine.plan.schedule import Schedule
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.optim import adamw

@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from megatrain_jax.engine import host_memory as malloc
+from megatrain_jax import launch
 from megatrain_jax.engine.config import HOST_CHUNK
 from megatrain_jax.models.config import LlamaConfig
 
@@ -56,6 +56,6 @@ def machine() -> dict[str, Any]:
           "python": platform.python_version(), "jax": jax.__version__,
           "machine": platform.machine(),
           # malloc's page size decides what each per-layer call's scratch costs
-          # (see engine/host_memory.py): the run's setting, stated.
-          "transparent_huge_pages": malloc.thp_mode(),
+          # (see megatrain_jax/launch.py): the run's setting, stated.
+          "transparent_huge_pages": launch.thp_mode(),
           "glibc_tunables": os.environ.get("GLIBC_TUNABLES", "")}

@@ -10,16 +10,17 @@ import optax
 from absl import logging
 from flax import nnx
 
-from megatrain_jax.engine import host_memory, memory, preflight
+from megatrain_jax.engine.host import malloc
+from megatrain_jax.engine.plan import memory, preflight, sizes
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.flat import FlatSpec
-from megatrain_jax.engine.host_optimizer import HostOptimizer
-from megatrain_jax.engine.probe import FAST_PATH, resolve_for_config
+from megatrain_jax.engine.host.flat import FlatSpec
+from megatrain_jax.engine.host.optimizer import HostOptimizer
+from megatrain_jax.engine.host.probe import FAST_PATH, resolve_for_config
 from megatrain_jax.engine.runtime import Runtime
-from megatrain_jax.engine.schedule import Schedule
-from megatrain_jax.engine.templates import Templates
-from megatrain_jax.engine.mesh import MeshTransport, mesh_devices
-from megatrain_jax.engine.transport import DeviceTransport, Transport
+from megatrain_jax.engine.plan.schedule import Schedule
+from megatrain_jax.engine.device.templates import Templates
+from megatrain_jax.engine.device.mesh import MeshTransport, mesh_devices
+from megatrain_jax.engine.device.transport import DeviceTransport, Transport
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 
@@ -78,7 +79,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
         "have run. Use grad_accum=1 (a smaller batch, or more memory), or "
         "router_aux_loss_coef=0.")
   if ec.return_freed_memory:
-    host_memory.return_freed_memory()
+    malloc.return_freed_memory()
   schedule = Schedule.build(cfg, ec)
   transport = _transport(ec)
   resolution = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
@@ -99,7 +100,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   if len(specs) != schedule.n_units:
     raise ValueError(f"Expected {schedule.n_units} units (embed, {cfg.n_layers} blocks, "
                      f"head), got {len(specs)}.")
-  keep = memory.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
+  keep = sizes.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
   host_opt = HostOptimizer(resolution, specs, masters, jnp.dtype(ec.compute_dtype),
                            transport.host_device, transport.stream_sharding(),
                            threads=ec.host_threads, chunk=ec.host_chunk)

@@ -94,7 +94,7 @@ class EngineConfig:
       "update) before a TimeoutError; an idle engine never times out.", positive=True)
   return_freed_memory: bool = _field(
       True, "Set glibc's mmap threshold so freed unit buffers go back to the system "
-      "(process-wide; see engine/host_memory.py).")
+      "(process-wide; see engine/host/malloc.py).")
   nonfinite: str = _field(
       "raise", "A NaN or infinite loss or gradient: raise FloatingPointError, or skip "
       "the step (every update then waits for the whole sweep).",
@@ -123,7 +123,7 @@ class EngineConfig:
   data_parallel: int = _field(
       1, "Local devices each micro-batch is split over (data parallel): every unit "
       "goes to each of them, XLA sums the gradients across them inside the "
-      "templates, and each gradient comes back once (engine/mesh.py). 0: all local "
+      "templates, and each gradient comes back once (engine/device/mesh.py). 0: all local "
       "devices. The batch must divide by it times grad_accum.", low=0)
   device_checkpoints: int | None = _field(
       None, "With activations=host: how many of the last checkpoint groups stay on the "

@@ -16,17 +16,18 @@ import jax.numpy as jnp
 from absl import logging
 
 from megatrain_jax.engine import nonfinite
-from megatrain_jax.engine.activations import HostActivations
+from megatrain_jax.engine.device.activations import HostActivations
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.gradients import GradientPipeline, UpdateClock
-from megatrain_jax.engine.host_optimizer import HostOptimizer
-from megatrain_jax.engine.memory import StepPlan
-from megatrain_jax.engine.prefetch import Ledger, Prefetcher
-from megatrain_jax.engine.residuals import BufferPool
-from megatrain_jax.engine.schedule import Schedule
-from megatrain_jax.engine.state import CopyCounter, Snapshot
-from megatrain_jax.engine.store import UnitStore
-from megatrain_jax.engine.transport import Transport
+from megatrain_jax.engine.host.gradients import GradientPipeline, UpdateClock
+from megatrain_jax.engine.host.optimizer import HostOptimizer
+from megatrain_jax.engine.plan.memory import StepPlan
+from megatrain_jax.engine.device.ledger import Ledger
+from megatrain_jax.engine.device.prefetch import Prefetcher
+from megatrain_jax.engine.device.pool import BufferPool
+from megatrain_jax.engine.plan.schedule import Schedule
+from megatrain_jax.engine.host.state import CopyCounter, Snapshot
+from megatrain_jax.engine.host.copies import UnitStore
+from megatrain_jax.engine.device.transport import Transport
 
 
 class Runtime:

@@ -16,15 +16,16 @@ import jax
 import optax
 from absl import logging
 
-from megatrain_jax.engine import memory, nonfinite, preflight
+from megatrain_jax.engine import nonfinite
+from megatrain_jax.engine.plan import memory, preflight, sizes
 from megatrain_jax.engine.build import build, host_units
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.health import Health
-from megatrain_jax.engine.host_optimizer import HostOptimizer
+from megatrain_jax.engine.host.optimizer import HostOptimizer
 from megatrain_jax.engine.runtime import shutdown_quietly
-from megatrain_jax.engine.state import Snapshot
-from megatrain_jax.engine.step import sweep
-from megatrain_jax.engine.transport import Transport
+from megatrain_jax.engine.execute import sweep
+from megatrain_jax.engine.host.state import Snapshot
+from megatrain_jax.engine.device.transport import Transport
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 
@@ -292,7 +293,7 @@ class StreamingTrainer:
 
   def snapshot(self, max_copies: int = 1) -> Snapshot:
     """The host state at this step boundary, for a writer to read part by part while
-    training goes on (see `engine/state.py`).
+    training goes on (see `engine/host/state.py`).
 
     Args:
       max_copies: parts an update copies ahead of the writer before it waits for it.
@@ -344,7 +345,6 @@ class StreamingTrainer:
       Counters by name (docs/engine.md lists each).
     """
     rt = self._rt.stats()
+    layer_bytes = max(sizes.unit_param_bytes(self.cfg, self.config)[1:-1], default=0)
     return {"steps": self._steps, "skipped_steps": self._health.skipped,
-            **self.templates.stats(rt["device_peak_bytes"]), **rt,
-            "layer_bytes": max(memory.unit_param_bytes(self.cfg, self.config)[1:-1],
-                               default=0)}
+            **self.templates.stats(rt["device_peak_bytes"]), **rt, "layer_bytes": layer_bytes}

@@ -21,14 +21,14 @@ def run_script(name: str) -> None:
     name: the figure, a key of `FIGURES`.
   """
   from absl import app, flags, logging  # pylint: disable=import-outside-toplevel
-  from megatrain_jax.engine import host_memory  # pylint: disable=import-outside-toplevel
+  from megatrain_jax import launch  # pylint: disable=import-outside-toplevel
 
   flags.DEFINE_string("out_dir", "figures", "Where the PNG and CSV go.")
   flags.DEFINE_bool("quick", False, "Fewer measured points (for tests).")
 
   def main(argv):
     del argv
-    host_memory.use_huge_pages()  # first: may restart the process once, see its docstring
+    launch.use_huge_pages()  # first: may restart the process once, see its docstring
     csv_path, png_path = FIGURES[name].make(flags.FLAGS.out_dir, flags.FLAGS.quick)
     logging.info("Wrote %s and %s.", csv_path, png_path)
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import jax
 
-from megatrain_jax.engine import EngineConfig, StreamingTrainer, memory
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.engine.plan import memory
 from megatrain_jax.figures import common as figures
 from megatrain_jax.models.config import preset
 from megatrain_jax.optim import adamw

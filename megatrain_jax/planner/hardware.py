@@ -17,9 +17,9 @@ import numpy as np
 
 from megatrain_jax.bench import timing
 from megatrain_jax.engine import EngineConfig, StreamingTrainer, platform
-from megatrain_jax.engine.host_optimizer import HostOptimizer
-from megatrain_jax.engine.schedule import Schedule
-from megatrain_jax.engine.transport import DeviceTransport
+from megatrain_jax.engine.host.optimizer import HostOptimizer
+from megatrain_jax.engine.plan.schedule import Schedule
+from megatrain_jax.engine.device.transport import DeviceTransport
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.optim import adamw

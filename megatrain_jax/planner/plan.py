@@ -32,11 +32,11 @@ from typing import NamedTuple
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax.engine import memory
-from megatrain_jax.engine import pinned as pinned_lib
-from megatrain_jax.engine import workspace
+from megatrain_jax.engine.plan import memory, sizes
+from megatrain_jax.engine.plan import pinned as pinned_lib
+from megatrain_jax.engine.plan import workspace
 from megatrain_jax.engine.config import RECOMPUTE
-from megatrain_jax.engine.schedule import Schedule
+from megatrain_jax.engine.plan.schedule import Schedule
 from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
 from megatrain_jax.models import layers
 from megatrain_jax.models.config import LlamaConfig
@@ -213,9 +213,9 @@ def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
     {"h2d", "d2h", "host_opt"}: bytes per step.
   """
   cd = jnp.dtype(ec.compute_dtype).itemsize
-  sizes = memory.unit_sizes(cfg)
-  n, embed = sum(sizes), sizes[0]
-  fetched = Schedule.build(cfg, ec).fetched_bytes(sizes)  # in elements
+  counts = sizes.unit_sizes(cfg)
+  n, embed = sum(counts), counts[0]
+  fetched = Schedule.build(cfg, ec).fetched_bytes(counts)  # in elements
   grads = cd * (n - embed) + 4 * embed
   # AdamW-class: read master, grad, 2 moments; write master, 2 moments; write the copy.
   opt = n * (4 + 4 + 16 + cd) + (4 * n * 2 * (ec.grad_accum - 1))
@@ -337,14 +337,14 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
   ec = resolve(cfg, ec, share, seq_len, hw.device_bytes, hw.flash_attention)
   dev, fits, step, t, bottleneck, host = _evaluate(cfg, optimizer, ec, hw, batch_size,
                                                    seq_len, hosts)
-  sizes = memory.unit_sizes(cfg)
+  counts = sizes.unit_sizes(cfg)
   tokens = batch_size * seq_len
   per_token = t["compute"] / (share * seq_len)  # each device computes its share
   break_even = devices * t["h2d"] / per_token if per_token > 0 else float("inf")
   model_flops = model_flops_per_token(cfg, seq_len) * tokens
   return Plan(
       hardware=hw.name, batch_size=batch_size, seq_len=seq_len, hosts=hosts,
-      devices_per_host=per_host, params=sum(sizes),
+      devices_per_host=per_host, params=sum(counts),
       activations=ec.activations, recompute=ec.recompute, recompute_options=options,
       host=host, mlp_chunk=cfg.mlp_chunk,
       attention=layers.attention_kernel(cfg, ec.compute_dtype, False,
@@ -390,14 +390,14 @@ def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int,
   host = memory.host_bytes(cfg, optimizer, ec, hw.shared, batch_size // hosts, seq_len)
   dev = device_total(cfg, ec, per_device, seq_len, hw.flash_attention)
   t = _times(cfg, ec, hw, batch_size, seq_len, hosts)
-  sizes = memory.unit_sizes(cfg)
+  counts = sizes.unit_sizes(cfg)
   cd = jnp.dtype(ec.compute_dtype).itemsize
   if hw.shared:
     step = sum(t.values())
     bottleneck = "shared cores: " + max(t, key=t.get)
   else:
     # The first unit's fetch and the last unit's update cannot overlap anything.
-    exposed = cd * sizes[0] / hw.h2d_bytes_per_s + t["host_opt"] * sizes[0] / sum(sizes)
+    exposed = cd * counts[0] / hw.h2d_bytes_per_s + t["host_opt"] * counts[0] / sum(counts)
     t["not_overlapped"] = exposed
     device = t["compute"] + t["collectives"]  # the all-reduce runs inside the backward
     if ec.prefetch_depth == 0:  # each fetch waits for the previous compute: no overlap

@@ -12,104 +12,21 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from megatrain_jax.engine import residuals, workspace
+from megatrain_jax.engine.plan import sizes, workspace
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
-from megatrain_jax.engine.replay import largest_fitting, replay
+from megatrain_jax.engine.plan.replay import largest_fitting, replay
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
-from megatrain_jax.engine.probe import resolve_for_config
-from megatrain_jax.engine.schedule import Schedule
-from megatrain_jax.models import llama
+from megatrain_jax.engine.host.probe import resolve_for_config
+from megatrain_jax.engine.plan.schedule import Schedule
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
 
 GiB = 2**30
-
-
-def unit_trees(cfg: LlamaConfig) -> tuple[Any, ...]:
-  """Every unit's abstract tree, without allocating (`llama.abstract_units`).
-
-  Args:
-    cfg: the model.
-
-  Returns:
-    ShapeDtypeStruct trees of the embedding, each block and the head.
-  """
-  return llama.abstract_units(cfg)
-
-
-def _size(tree) -> int:
-  return sum(x.size for x in jax.tree.leaves(tree))
-
-
-def _nbytes(tree) -> int:
-  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
-
-
-@functools.lru_cache(maxsize=256)
-def _sizes(cfg: LlamaConfig) -> tuple[int, ...]:
-  return tuple(_size(t) for t in unit_trees(cfg))
-
-
-def unit_sizes(cfg: LlamaConfig) -> list[int]:
-  """Parameters of every unit.
-
-  Args:
-    cfg: the model.
-
-  Returns:
-    One count per unit: embed, each block, head.
-  """
-  return list(_sizes(cfg))
-
-
-def unit_param_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
-  """Bytes of each unit's compute-dtype copy (what a fetch moves).
-
-  Args:
-    cfg: the model.
-    ec: the engine config (its compute dtype).
-
-  Returns:
-    One size per unit, in unit order.
-  """
-  cd = jnp.dtype(ec.compute_dtype).itemsize
-  return [cd * s for s in _sizes(cfg)]
-
-
-def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
-  """Bytes of each unit's gradient as it leaves the device.
-
-  Args:
-    cfg: the model.
-    ec: the engine config (its compute dtype).
-
-  Returns:
-    One size per unit: the compute dtype, but fp32 for the embedding (its
-    scatter-add is done in fp32).
-  """
-  cd = jnp.dtype(ec.compute_dtype).itemsize
-  return [s * (4 if u == 0 else cd) for u, s in enumerate(_sizes(cfg))]
-
-
-def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
-  """Whether a run keeps a compute-dtype copy of every unit in host memory.
-
-  Args:
-    ec: the engine config (`stream_copy`; "auto" keeps it only on an accelerator).
-    on_cpu: whether the run is on the CPU backend (default: this process's).
-
-  Returns:
-    The answer.
-  """
-  if ec.stream_copy != "auto":
-    return ec.stream_copy == "keep"
-  return not (on_cpu_backend() if on_cpu is None else on_cpu)
 
 
 # -- host ---------------------------------------------------------------------------
@@ -118,9 +35,9 @@ def _state_bytes(cfg: LlamaConfig, optimizer) -> list[int]:
   """Optimizer-state bytes of each unit (traced once per distinct structure)."""
   by_tree: dict[int, int] = {}
   out = []
-  for t in unit_trees(cfg):
+  for t in sizes.unit_trees(cfg):
     if id(t) not in by_tree:
-      by_tree[id(t)] = _nbytes(jax.eval_shape(optimizer.init, t))
+      by_tree[id(t)] = sizes.nbytes(jax.eval_shape(optimizer.init, t))
     out.append(by_tree[id(t)])
   return out
 
@@ -141,11 +58,11 @@ def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformatio
   """
   r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
   mode, inner = r.mode, r.optimizer
-  sizes, states = _sizes(cfg), _state_bytes(cfg, inner)
+  counts, states = sizes.unit_sizes(cfg), _state_bytes(cfg, inner)
   if mode == "whole_tree":  # units hold masters; the state is one more part
-    largest = max(4 * max(sizes), sum(states))
+    largest = max(4 * max(counts), sum(states))
   else:
-    largest = max(4 * n + s for n, s in zip(sizes, states))
+    largest = max(4 * n + s for n, s in zip(counts, states))
   return max_copies * largest
 
 
@@ -174,20 +91,20 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     holds). activation_checkpoints (with a batch shape): those `step_plan` sends
     to host memory. total.
   """
-  sizes = unit_sizes(cfg)
-  n = sum(sizes)
+  counts = sizes.unit_sizes(cfg)
+  n = sum(counts)
   cd = jnp.dtype(ec.compute_dtype).itemsize
   r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
   mode, inner = r.mode, r.optimizer
   states = _state_bytes(cfg, inner)
   deferred = mode in ("whole_tree", "clipped") or ec.nonfinite == "skip"
-  queued = (2 * MAX_PENDING_GRADIENTS + 1) * 4 * max(sizes)
+  queued = (2 * MAX_PENDING_GRADIENTS + 1) * 4 * max(counts)
   copies = snapshot_copy_bytes(cfg, optimizer, ec)
   out = {
       "masters": 4 * n,
       "optimizer_state": sum(states),
       "gradient_buffers": (4 * n if deferred or ec.grad_accum > 1 else 0) + queued,
-      "pinned_copies": cd * (n + max(sizes)) if keeps_stream_copy(ec, on_cpu) else 0,
+      "pinned_copies": cd * (n + max(counts)) if sizes.keeps_stream_copy(ec, on_cpu) else 0,
       "checkpoint_copies": 2 * copies,
   }
   if batch_size is not None:
@@ -225,23 +142,6 @@ class StepPlan:
     return self.schedule.host_groups() if self.activations == "host" else ()
 
 
-def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
-                     seq_len: int) -> int:
-  """Bytes of one block input of a micro-batch (a checkpoint, or the running one).
-
-  Args:
-    cfg: the model.
-    ec: the engine config (compute dtype, grad_accum).
-    batch_size: sequences per step.
-    seq_len: tokens per sequence.
-
-  Returns:
-    micro-batch x seq_len x d_model x the compute dtype's size.
-  """
-  return (batch_size // ec.grad_accum) * seq_len * cfg.d_model * jnp.dtype(
-      ec.compute_dtype).itemsize
-
-
 def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
               seq_len: int, platform: str | None = None) -> StepPlan:
   """The schedule and device peak of a step on batches [batch_size, seq_len].
@@ -264,7 +164,7 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   is resolved by `resolve_activations` against the budget or the accelerator. On
   the CPU backend, with recompute "dots" or "none" and the checkpoints on the
   device, every layer's buffers stay on the device between steps
-  (`residuals.BufferPool`).
+  (`pool.BufferPool`).
 
   Args:
     cfg: the model.
@@ -283,7 +183,7 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
     ec = dataclasses.replace(ec, activations=_auto(cfg, ec, batch_size, seq_len))
   # The platform is asked for only where it decides, so that a launcher counting
   # pinned bytes before `jax.distributed.initialize` starts no backend.
-  pooled = residuals.pools_buffers(ec.recompute, ec.activations, "cpu") and (
+  pooled = sizes.pools_buffers(ec.recompute, ec.activations, "cpu") and (
       platform or ("cpu" if on_cpu_backend() else "gpu")) == "cpu"
   return _step_plan(cfg, ec, batch_size, seq_len, pooled)
 
@@ -323,10 +223,10 @@ def _auto(cfg, ec, batch_size, seq_len) -> str:
 
 @functools.lru_cache(maxsize=512)
 def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
-  act = activation_bytes(cfg, ec, batch_size, seq_len)
-  ck = residuals.checkpoint_bytes(cfg, ec, batch_size, seq_len)
+  act = sizes.activation_bytes(cfg, ec, batch_size, seq_len)
+  ck = sizes.checkpoint_bytes(cfg, ec, batch_size, seq_len)
   base = Schedule.build(cfg, ec)
-  unit, grad = unit_param_bytes(cfg, ec), unit_grad_bytes(cfg, ec)
+  unit, grad = sizes.unit_param_bytes(cfg, ec), sizes.unit_grad_bytes(cfg, ec)
   run = lambda sched: replay(unit, grad, ec.activations, sched, act, ck, pooled,
                              updates_follow=ec.grad_accum == 1)
   total = lambda sched: run(sched)["total"]
@@ -394,7 +294,7 @@ def static_device_bytes(cfg: LlamaConfig, ec: EngineConfig) -> int:
     that is more, x the largest streamed unit) plus the resident units.
   """
   sched = Schedule.build(cfg, ec)
-  unit = unit_param_bytes(cfg, ec)
+  unit = sizes.unit_param_bytes(cfg, ec)
   streamed = [unit[u] for u in sched.fetch_order] or [0]
   buffers = max(sched.slots, *sched.tail_needs.values(), 0)
   return buffers * max(streamed) + sum(unit[u] for u in sched.resident_units())
@@ -412,7 +312,7 @@ def resident_device_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformat
     fp32 parameters, gradients and optimizer state by kind, and "total"
     (activations are not counted).
   """
-  n = sum(unit_sizes(cfg))
+  n = sum(sizes.unit_sizes(cfg))
   out = {"params": 4 * n, "gradients": 4 * n,
          "optimizer_state": sum(_state_bytes(cfg, optimizer))}
   out["total"] = sum(out.values())

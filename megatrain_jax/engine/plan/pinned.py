@@ -23,7 +23,8 @@ import jax.numpy as jnp
 from absl import logging
 
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.memory import GiB, keeps_stream_copy, step_plan, unit_sizes
+from megatrain_jax.engine.plan.memory import GiB, step_plan
+from megatrain_jax.engine.plan.sizes import keeps_stream_copy, unit_sizes
 from megatrain_jax.models.config import LlamaConfig
 
 ENV = "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"

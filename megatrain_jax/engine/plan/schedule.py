@@ -147,7 +147,7 @@ class Schedule:
     """Bytes one micro-batch's fetches move to each device.
 
     Args:
-      unit_bytes: each unit's bytes as fetched (`memory.unit_param_bytes`).
+      unit_bytes: each unit's bytes as fetched (`sizes.unit_param_bytes`).
 
     Returns:
       Their sum over `fetch_order`.

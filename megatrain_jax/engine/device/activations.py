@@ -27,8 +27,9 @@ from typing import Any, Callable
 
 import jax
 
-from megatrain_jax.engine.prefetch import Ledger, WorkerError
-from megatrain_jax.engine.transport import Transport
+from megatrain_jax.engine.device.ledger import Ledger
+from megatrain_jax.engine.workers import WorkerError
+from megatrain_jax.engine.device.transport import Transport
 
 
 def tree_bytes(tree) -> int:

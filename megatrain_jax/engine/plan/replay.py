@@ -11,7 +11,7 @@ the step's order and sizes only, so `memory` sizes the units and this replays th
 from __future__ import annotations
 
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS
-from megatrain_jax.engine.schedule import Schedule
+from megatrain_jax.engine.plan.schedule import Schedule
 
 # Checkpoints on the device at once when they wait in host memory: the group being
 # worked on and the one moving (out during the forward, in ahead of the backward),
@@ -44,7 +44,7 @@ def replay(unit: list[int], grad: list[int], activations: str, sched: Schedule, 
     sched: the micro-batch's schedule (slot limits, groups, checkpoints kept).
     act: one activation's bytes.
     ck: one checkpoint's bytes (the block input, with its kept residuals).
-    pooled: the step reuses its kept residuals' buffers (`residuals.BufferPool`).
+    pooled: the step reuses its kept residuals' buffers (`pool.BufferPool`).
     updates_follow: the next micro-batch's fetches wait for this one's updates
       (every micro-batch is its step's last: grad_accum 1), so they take only
       units whose gradient has left the device.

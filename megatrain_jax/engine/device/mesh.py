@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from megatrain_jax.engine.transport import DeviceTransport, _memory_kinds
+from megatrain_jax.engine.device.transport import DeviceTransport, _memory_kinds
 
 AXIS = "data"
 NamedSharding, P = jax.sharding.NamedSharding, jax.sharding.PartitionSpec

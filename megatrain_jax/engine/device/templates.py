@@ -16,8 +16,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.engine import residuals
-from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.engine.device import residuals
+from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import head_loss_sum
@@ -57,7 +57,7 @@ class Templates:
       the same with `recompute` "dots" or "none": the forward returns the residuals
       its backward needs (`engine.residuals`), and the backward runs no forward;
       `reuse` (donated) gives the forward buffers to write its output and residuals
-      into (`residuals.BufferPool`).
+      into (`pool.BufferPool`).
     head(flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x, g_h, g_e,
       finite): final norm, LM head and chunked cross-entropy, value and gradient;
       the vjp is seeded with `scale` (1 / the batch's mask sum); g_e is the tied

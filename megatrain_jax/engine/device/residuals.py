@@ -30,14 +30,11 @@ a `dot_general`).
 
 from __future__ import annotations
 
-import functools
 from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 
-from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.flat import FlatSpec
+from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 
@@ -173,138 +170,3 @@ def backward(spec: FlatSpec, layout: Layout, flat, x, kept, g, g_probs
             for s in layout.slots]
   g_tree, g_x = jax.tree.unflatten(layout.treedef, leaves)((g, g_probs))
   return spec.flatten(g_tree), g_x
-
-
-@functools.lru_cache(maxsize=256)
-def kept_bytes(cfg: LlamaConfig, layer: int, recompute: str, batch: int, seq_len: int,
-               dtype_name: str, packed: bool = False) -> int:
-  """Bytes a layer keeps for its backward besides its input (no allocation).
-
-  Args:
-    cfg: the model.
-    layer: the layer's index (its structure).
-    recompute: an `EngineConfig.recompute` mode.
-    batch: sequences per micro-batch.
-    seq_len: tokens per sequence.
-    dtype_name: the compute dtype's name.
-    packed: whether the batch carries positions and segment ids.
-
-  Returns:
-    0 for "full"; else the kept residuals' bytes.
-  """
-  if recompute == "full":
-    return 0
-  dtype = jnp.dtype(dtype_name)
-  spec = FlatSpec(llama.abstract_units(cfg)[1 + layer])
-  S = jax.ShapeDtypeStruct
-  ids = S((batch, seq_len), jnp.int32) if packed else None
-  out = jax.eval_shape(
-      lambda flat, x, pos, seg: forward(cfg, spec, cfg.layer_window(layer), recompute,
-                                        flat, x, pos, seg)[2],
-      S((spec.size,), dtype), S((batch, seq_len, cfg.d_model), dtype), ids, ids)
-  return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(out))
-
-
-def checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
-                     seq_len: int) -> int:
-  """Bytes of one activation checkpoint: the block input, plus with recompute "dots"
-  or "none" the residuals the layer keeps (a bound: the largest over the layer
-  structures, with or without packed-document ids).
-
-  Args:
-    cfg: the model.
-    ec: the engine config.
-    batch_size: sequences per step.
-    seq_len: tokens per sequence.
-
-  Returns:
-    The bytes.
-  """
-  b = batch_size // ec.grad_accum
-  first = {}  # one layer per structure (its parameter shapes and window)
-  for i, unit in enumerate(llama.abstract_units(cfg)[1:-1]):
-    first.setdefault((FlatSpec(unit), cfg.layer_window(i)), i)
-  # Traced for one sequence and scaled: every residual but a few small ones (rotary
-  # tables, broadcast norm scales) has the batch dimension, so this bounds it.
-  kept = max((b * kept_bytes(cfg, i, ec.recompute, 1, seq_len, ec.dtype_name, packed)
-              for i in first.values() for packed in (False, True)), default=0)
-  return b * seq_len * cfg.d_model * jnp.dtype(ec.compute_dtype).itemsize + kept
-
-
-def pools_buffers(recompute: str, activations: str, platform: str) -> bool:
-  """Whether a step reuses its kept residuals' buffers (`BufferPool`): with
-  recompute "dots" or "none" and the residuals on the device, on the CPU backend
-  (an accelerator's allocator reuses freed memory itself).
-
-  Args:
-    recompute: `EngineConfig.recompute`.
-    activations: where the step's checkpoints wait, "device" or "host".
-    platform: the JAX platform the step runs on.
-
-  Returns:
-    The answer.
-  """
-  return recompute != "full" and activations == "device" and platform == "cpu"
-
-
-class BufferPool:
-  """A layer's input and residual buffers, from its backward to the next forward.
-
-  On the CPU backend every device buffer is a fresh allocation, and one over
-  malloc's mmap threshold (`host_memory.MMAP_THRESHOLD`) a fresh mapping whose
-  pages are faulted in again: with recompute "none" that was every kept residual
-  of every layer, every step. So once a layer's backward has used its input and
-  residuals, their buffers wait here, and a later `block_fwd_keep` of the same
-  shapes gets them donated and writes into them. The device then holds every
-  layer's residuals between steps too, which the step's peak holds anyway (its
-  backward starts with all of them); the ledger counts them under "pool".
-  """
-
-  def __init__(self, ledger):
-    """An empty pool.
-
-    Args:
-      ledger: the runtime's device-memory ledger.
-    """
-    self._ledger = ledger
-    self._free: dict[tuple, list] = {}
-    self._count = 0
-
-  def give(self, arrays: tuple) -> None:
-    """Keeps buffers no computation needs any more.
-
-    Args:
-      arrays: a layer's input and kept residuals, in `kept_shapes` order.
-    """
-    self._count += 1
-    key = ("pool", self._count)
-    self._ledger.add(key, sum(a.nbytes for a in arrays))
-    self._free.setdefault(_shapes(arrays), []).append((key, tuple(arrays)))
-
-  def take(self, shapes: tuple) -> tuple | None:
-    """Buffers of these shapes, to donate, or None when the pool has none.
-
-    Args:
-      shapes: `Templates.kept_shapes` of the forward they are for.
-
-    Returns:
-      The arrays (no longer counted here), or None.
-    """
-    free = self._free.get(tuple((s.shape, jnp.dtype(s.dtype)) for s in shapes), [])
-    while free:
-      key, arrays = free.pop()
-      self._ledger.remove(key)
-      if not any(a.is_deleted() for a in arrays):
-        return arrays
-    return None
-
-  def clear(self) -> None:
-    """Drops every buffer (the runtime is shut down, or a step failed)."""
-    for entries in self._free.values():
-      for key, _ in entries:
-        self._ledger.remove(key)
-    self._free.clear()
-
-
-def _shapes(arrays) -> tuple:
-  return tuple((a.shape, jnp.dtype(a.dtype)) for a in arrays)

@@ -13,9 +13,9 @@ from typing import Any, Callable
 import jax
 import optax
 
-from megatrain_jax.engine import pinned
+from megatrain_jax.engine.plan import pinned
 from megatrain_jax.engine.config import EngineConfig
-from megatrain_jax.engine.memory import (GiB, StepPlan, device_bytes, host_bytes,
+from megatrain_jax.engine.plan.memory import (GiB, StepPlan, device_bytes, host_bytes,
                                          resident_device_bytes, step_plan)
 from megatrain_jax.engine.platform import (accelerator_bytes, available_host_bytes,
                                            on_cpu_backend, on_gpu)

@@ -13,9 +13,9 @@ import threading
 
 import jax
 
-from megatrain_jax.engine.host_optimizer import HostOptimizer
-from megatrain_jax.engine.prefetch import Ledger
-from megatrain_jax.engine.transport import Transport
+from megatrain_jax.engine.host.optimizer import HostOptimizer
+from megatrain_jax.engine.device.ledger import Ledger
+from megatrain_jax.engine.device.transport import Transport
 
 
 class UnitStore:

@@ -1,4 +1,4 @@
-"""Host -> device: the prefetch thread, its buffer slots, and the device-memory ledger.
+"""Host -> device: the prefetch thread and its buffer slots.
 
 Timeouts: only a caller waiting on the engine (`get`, `cancel`, a fetch on the
 caller's thread with `depth == 0`) times out. The prefetch thread itself waits for
@@ -12,58 +12,15 @@ import collections
 import queue
 import threading
 import time
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple
 
 import jax
 
+from megatrain_jax.engine.device.ledger import Ledger
+from megatrain_jax.engine.workers import WorkerError
+
 POLL_S = 0.05
 READY_POLL_S = 0.002  # the thread's wait for an update (or a free slot) to go on
-
-
-class Ledger:
-  """Bytes the engine holds in accelerator memory, and their peak."""
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._live: dict[Any, int] = {}
-    self.current = 0
-    self.peak = 0
-
-  def add(self, key, nbytes: int) -> None:
-    """Counts bytes under a key (replacing what the key held).
-
-    Args:
-      key: what holds them.
-      nbytes: their size.
-    """
-    with self._lock:
-      self.current += nbytes - self._live.get(key, 0)
-      self._live[key] = nbytes
-      self.peak = max(self.peak, self.current)
-
-  def remove(self, key) -> None:
-    """Stops counting a key (nothing if it is not counted).
-
-    Args:
-      key: what held the bytes.
-    """
-    with self._lock:
-      self.current -= self._live.pop(key, 0)
-
-  def clear(self) -> None:
-    """Counts nothing any more (the runtime is shut down)."""
-    with self._lock:
-      self._live.clear()
-      self.current = 0
-
-  def reset_peak(self) -> None:
-    """Starts a new peak from the current bytes."""
-    with self._lock:
-      self.peak = self.current
-
-
-class WorkerError(RuntimeError):
-  """An engine thread stopped or was stopped while a caller waited on it."""
 
 
 class _Cancelled(Exception):

@@ -31,14 +31,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.engine import residuals
-from megatrain_jax.engine.activations import tree_bytes
-from megatrain_jax.engine.memory import StepPlan
+from megatrain_jax.engine.device.activations import tree_bytes
+from megatrain_jax.engine.plan.memory import StepPlan
 from megatrain_jax.engine.nonfinite import StepGuard
 from megatrain_jax.engine.runtime import Runtime
-from megatrain_jax.engine.schedule import Schedule
-from megatrain_jax.engine.templates import Templates
+from megatrain_jax.engine.plan.schedule import Schedule
+from megatrain_jax.engine.device.templates import Templates
 from megatrain_jax.models import moe
+from megatrain_jax.engine.plan import sizes
 
 
 def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str, Any],
@@ -91,7 +91,7 @@ def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str,
   offload = rt.activations if host_checkpoints else None
   sent = set(schedule.host_groups()) if offload is not None else set()
   keep = tpl.recompute != "full"  # every layer keeps its residuals (groups of one)
-  pool = rt.pool if residuals.pools_buffers(
+  pool = rt.pool if sizes.pools_buffers(
       tpl.recompute, "host" if host_checkpoints else "device", rt.platform) else None
 
   def checkpoint(i, saved):

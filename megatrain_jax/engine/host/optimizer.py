@@ -7,9 +7,9 @@ Element-wise transforms (adam, adamw, lion, sgd, their schedules) give the same
 result whether applied to the whole tree or unit by unit, so the engine updates a
 unit as soon as its gradient is on the host, while the backward goes on. A
 transform that needs the whole tree (`clip_by_global_norm`, anything mixing
-leaves) must see every gradient first; `engine/probe.py` tells the two apart.
+leaves) must see every gradient first; `engine/host/probe.py` tells the two apart.
 
-`mt.optim.adamw` runs fused, and in parallel over parts (`engine/host_adamw.py`).
+`mt.optim.adamw` runs fused, and in parallel over parts (`engine/host/adamw.py`).
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ import numpy as np
 import optax
 
 from megatrain_jax.engine.config import HOST_CHUNK
-from megatrain_jax.engine.flat import FlatSpec
-from megatrain_jax.engine.host_adamw import chunked_adamw_update, host_threads, part_bounds
-from megatrain_jax.engine.probe import Resolution, resolve_mode
+from megatrain_jax.engine.host.flat import FlatSpec
+from megatrain_jax.engine.host.adamw import chunked_adamw_update, host_threads, part_bounds
+from megatrain_jax.engine.host.probe import Resolution, resolve_mode
 from megatrain_jax.models.llama import assemble_units, split_units
 from megatrain_jax.optim import clip_with_norm
 

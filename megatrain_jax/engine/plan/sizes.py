@@ -1,0 +1,201 @@
+"""The byte rules of a step: each unit's size as fetched and as its gradient, one
+activation, one checkpoint with the residuals its layer keeps.
+
+One source for every byte count: the step program (`plan.program`) attaches these to
+its operations, and the memory model, the planner and the preflight read them from
+there or from here. Everything is arithmetic over abstract shapes (`jax.eval_shape`),
+nothing is allocated.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from megatrain_jax.engine.config import EngineConfig
+from megatrain_jax.engine.device import residuals
+from megatrain_jax.engine.host.flat import FlatSpec
+from megatrain_jax.engine.platform import on_cpu_backend
+from megatrain_jax.models import llama
+from megatrain_jax.models.config import LlamaConfig
+
+
+def unit_trees(cfg: LlamaConfig) -> tuple[Any, ...]:
+  """Every unit's abstract tree, without allocating (`llama.abstract_units`).
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    ShapeDtypeStruct trees of the embedding, each block and the head.
+  """
+  return llama.abstract_units(cfg)
+
+
+def _size(tree) -> int:
+  return sum(x.size for x in jax.tree.leaves(tree))
+
+
+def nbytes(tree) -> int:
+  """Bytes of every leaf of an (abstract) tree.
+
+  Args:
+    tree: arrays or ShapeDtypeStructs.
+
+  Returns:
+    Their total.
+  """
+  return sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
+@functools.lru_cache(maxsize=256)
+def _sizes(cfg: LlamaConfig) -> tuple[int, ...]:
+  return tuple(_size(t) for t in unit_trees(cfg))
+
+
+def unit_sizes(cfg: LlamaConfig) -> list[int]:
+  """Parameters of every unit.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    One count per unit: embed, each block, head.
+  """
+  return list(_sizes(cfg))
+
+
+def unit_param_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
+  """Bytes of each unit's compute-dtype copy (what a fetch moves).
+
+  Args:
+    cfg: the model.
+    ec: the engine config (its compute dtype).
+
+  Returns:
+    One size per unit, in unit order.
+  """
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  return [cd * s for s in _sizes(cfg)]
+
+
+def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
+  """Bytes of each unit's gradient as it leaves the device.
+
+  Args:
+    cfg: the model.
+    ec: the engine config (its compute dtype).
+
+  Returns:
+    One size per unit: the compute dtype, but fp32 for the embedding (its
+    scatter-add is done in fp32).
+  """
+  cd = jnp.dtype(ec.compute_dtype).itemsize
+  return [s * (4 if u == 0 else cd) for u, s in enumerate(_sizes(cfg))]
+
+
+def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
+  """Whether a run keeps a compute-dtype copy of every unit in host memory.
+
+  Args:
+    ec: the engine config (`stream_copy`; "auto" keeps it only on an accelerator).
+    on_cpu: whether the run is on the CPU backend (default: this process's).
+
+  Returns:
+    The answer.
+  """
+  if ec.stream_copy != "auto":
+    return ec.stream_copy == "keep"
+  return not (on_cpu_backend() if on_cpu is None else on_cpu)
+
+
+def activation_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+                     seq_len: int) -> int:
+  """Bytes of one block input of a micro-batch (a checkpoint, or the running one).
+
+  Args:
+    cfg: the model.
+    ec: the engine config (compute dtype, grad_accum).
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    micro-batch x seq_len x d_model x the compute dtype's size.
+  """
+  return (batch_size // ec.grad_accum) * seq_len * cfg.d_model * jnp.dtype(
+      ec.compute_dtype).itemsize
+
+
+@functools.lru_cache(maxsize=256)
+def kept_bytes(cfg: LlamaConfig, layer: int, recompute: str, batch: int, seq_len: int,
+               dtype_name: str, packed: bool = False) -> int:
+  """Bytes a layer keeps for its backward besides its input (no allocation).
+
+  Args:
+    cfg: the model.
+    layer: the layer's index (its structure).
+    recompute: an `EngineConfig.recompute` mode.
+    batch: sequences per micro-batch.
+    seq_len: tokens per sequence.
+    dtype_name: the compute dtype's name.
+    packed: whether the batch carries positions and segment ids.
+
+  Returns:
+    0 for "full"; else the kept residuals' bytes.
+  """
+  if recompute == "full":
+    return 0
+  dtype = jnp.dtype(dtype_name)
+  spec = FlatSpec(llama.abstract_units(cfg)[1 + layer])
+  S = jax.ShapeDtypeStruct
+  ids = S((batch, seq_len), jnp.int32) if packed else None
+  out = jax.eval_shape(
+      lambda flat, x, pos, seg: residuals.forward(cfg, spec, cfg.layer_window(layer), recompute,
+                                        flat, x, pos, seg)[2],
+      S((spec.size,), dtype), S((batch, seq_len, cfg.d_model), dtype), ids, ids)
+  return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(out))
+
+
+def checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+                     seq_len: int) -> int:
+  """Bytes of one activation checkpoint: the block input, plus with recompute "dots"
+  or "none" the residuals the layer keeps (a bound: the largest over the layer
+  structures, with or without packed-document ids).
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The bytes.
+  """
+  b = batch_size // ec.grad_accum
+  first = {}  # one layer per structure (its parameter shapes and window)
+  for i, unit in enumerate(llama.abstract_units(cfg)[1:-1]):
+    first.setdefault((FlatSpec(unit), cfg.layer_window(i)), i)
+  # Traced for one sequence and scaled: every residual but a few small ones (rotary
+  # tables, broadcast norm scales) has the batch dimension, so this bounds it.
+  kept = max((b * kept_bytes(cfg, i, ec.recompute, 1, seq_len, ec.dtype_name, packed)
+              for i in first.values() for packed in (False, True)), default=0)
+  return b * seq_len * cfg.d_model * jnp.dtype(ec.compute_dtype).itemsize + kept
+
+
+def pools_buffers(recompute: str, activations: str, platform: str) -> bool:
+  """Whether a step reuses its kept residuals' buffers (`BufferPool`): with
+  recompute "dots" or "none" and the residuals on the device, on the CPU backend
+  (an accelerator's allocator reuses freed memory itself).
+
+  Args:
+    recompute: `EngineConfig.recompute`.
+    activations: where the step's checkpoints wait, "device" or "host".
+    platform: the JAX platform the step runs on.
+
+  Returns:
+    The answer.
+  """
+  return recompute != "full" and activations == "device" and platform == "cpu"
