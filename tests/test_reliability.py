@@ -181,7 +181,7 @@ def test_memory_arithmetic_matches_a_hand_count():
   assert host["gradient_buffers"] == 5 * 4 * max(counts)  # queued between the threads
   clipped = memory.host_bytes(cfg, optax.chain(optax.clip_by_global_norm(1.0),
                                                optax.adamw(1e-3)), ec)
-  assert clipped["gradient_buffers"] == 4 * n + 5 * 4 * max(sizes)  # + fp32 accumulators
+  assert clipped["gradient_buffers"] == 4 * n + 5 * 4 * max(counts)  # + fp32 accumulators
   # The device side is checked against the engine's own ledger in test_memory.py.
   dev = memory.device_bytes(cfg, ec, batch_size=4, seq_len=64)
   assert dev["logits_chunk"] == 2 * 4 * 64 * 1000 * 4
