@@ -12,6 +12,7 @@ megatrain_jax/planner/hardware.py), or measured.
 from absl import app, flags
 
 from megatrain_jax import planner
+from megatrain_jax.bench import calibrate
 from megatrain_jax.engine import EngineConfig
 from megatrain_jax import launch
 from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE
@@ -47,7 +48,8 @@ def main(argv):
   try:
     cfg = (planner.config_from_hf_json(FLAGS.hf_config) if FLAGS.hf_config
            else preset(FLAGS.model))
-    hw = planner.hardware(FLAGS.hardware)
+    hw = (calibrate.measure_hardware() if FLAGS.hardware == "measured"
+          else planner.hardware(FLAGS.hardware))
   except (ValueError, FileNotFoundError) as e:
     raise app.UsageError(str(e)) from None
   cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, FLAGS.seq_len))

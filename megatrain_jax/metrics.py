@@ -31,21 +31,20 @@ def model_flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
   return 6.0 * (n + head) + 12.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim
 
 
-def recompute_flops_per_token(cfg: LlamaConfig, seq_len: int, layers: int | None = None
-                              ) -> float:
-  """Extra hardware FLOPs per token of recomputing blocks' forwards once.
+def layer_forward_flops_per_token(cfg: LlamaConfig, seq_len: int, layer: int) -> float:
+  """Hardware FLOPs per token of one block's forward (what recomputing it costs).
 
   Args:
     cfg: the model.
     seq_len: tokens per sequence.
-    layers: how many blocks, from the first (None: all).
+    layer: the block (of an MoE layer, its router and top-k experts count).
 
   Returns:
-    The extra FLOPs of one token.
+    2 x the parameters a token runs through, plus attention's scores and weighted
+    values (4 x T x heads x head width).
   """
-  n = cfg.n_layers if layers is None else layers
-  blocks = sum(cfg.block_param_count(i, active=True) for i in range(n))
-  return 2.0 * blocks + 4.0 * n * seq_len * cfg.n_heads * cfg.head_dim
+  return (2.0 * cfg.block_param_count(layer, active=True)
+          + 4.0 * seq_len * cfg.n_heads * cfg.head_dim)
 
 
 class MetricsWriter:

@@ -187,26 +187,27 @@ def test_a_failed_trainer_frees_its_device_buffers_and_can_be_dropped():
   assert ref() is None  # the stored error keeps no frame of it alive
 
 
-def test_cancel_ends_a_fetch_waiting_for_an_update_taken_back():
-  # The prefetch thread found a unit ready, then a refused step took its update back:
-  # its fetch now waits for an update that never lands. A cancel (the next step's)
-  # must end that wait at once, and give the slot back, not wait out timeout_s.
+def test_the_thread_never_waits_for_an_update_and_a_cancel_is_prompt():
+  # The prefetch thread fetches only units `ready` found updated, and its fetch is
+  # never asked to wait for an update (a refused step can take one back after the
+  # check: its cancel then drops what was fetched instead of waiting out timeout_s).
   import threading
   import time
   from megatrain_jax.engine.device.ledger import Ledger
   from megatrain_jax.engine.device.prefetch import Prefetcher
-  waiting = threading.Event()
+  asked, taken_back = [], threading.Event()
 
-  def fetch(u, tag, deadline, stop):
-    waiting.set()
-    while True:
-      stop()
-      time.sleep(0.01)
+  def fetch(u, tag, deadline):
+    asked.append(deadline)
+    taken_back.set()
+    return jax.numpy.zeros(4)
 
-  pf = Prefetcher(fetch, depth=2, hold=1, ledger=Ledger(), timeout_s=60.0)
+  ready = lambda u, tag: not taken_back.is_set()
+  pf = Prefetcher(fetch, depth=2, hold=1, ledger=Ledger(), timeout_s=60.0, ready=ready)
   pf.start([0, 1, 2], tag=1)
-  assert waiting.wait(10)
+  assert taken_back.wait(10)
   t0 = time.monotonic()
   pf.cancel()
   assert time.monotonic() - t0 < 5
+  assert asked == [None]  # one fetch, then nothing ready: and it was never told to wait
   pf.close()

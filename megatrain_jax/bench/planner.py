@@ -8,6 +8,7 @@ from typing import Any
 import jax
 
 from megatrain_jax import planner
+from megatrain_jax.bench import calibrate
 from megatrain_jax.bench.suite import Suite
 from megatrain_jax.bench.timing import median_times, synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
@@ -40,7 +41,7 @@ def planner_accuracy(s: Suite) -> dict[str, Any]:
   out: dict[str, Any] = {}
   opt = adamw(1e-4)
   for i, (cfg, b, t) in enumerate(CONFIGS):
-    hw = planner.measure_hardware(quick=True, widths=(cfg.d_model,), batch_size=b,
+    hw = calibrate.measure_hardware(quick=True, widths=(cfg.d_model,), batch_size=b,
                                   seq_len=t)
     predicted = planner.plan(cfg, opt, EngineConfig(), hw, b, t).step_s
     with StreamingTrainer.from_config(cfg, opt, EngineConfig(), jax.random.key(0)) as eng:

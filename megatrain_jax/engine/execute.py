@@ -1,228 +1,291 @@
-"""One micro-batch through the streaming engine: forward, head, backward.
+"""Runs a step's operations (`plan.program`) on the trainer's thread.
 
-  forward   embed, then every block through its template, keeping the block input
-            every `checkpoint_every` layers, or with recompute "dots"/"none" every
-            layer's input and residuals (`engine.residuals`), on the device or sent
-            to host memory with activations="host" (`engine.activations`); the
-            prefetcher moves the next units to the device while the current one
-            computes;
-  head      final norm + LM head + chunked CE, value and gradient in one call; the
-            MoE layers' router stats give the load-balancing loss and the
-            gradient each router's probabilities get from it; with a fused tail
-            (`Schedule.fused_tail`) the last layer runs in that call, forward and
-            backward, its parameters kept from the forward's fetch;
-  backward  blocks in reverse groups: recompute the group's inputs from its
-            checkpoint (one brought back from host memory a group ahead), then
-            `jax.vjp` layer by layer (each backward template recomputes its
-            layer's forward, or with kept residuals only what they leave out); a
-            group's parameters are fetched once and held until its backward ends;
-  gradients each unit's gradient goes to the pipeline as soon as it exists, in the
-            schedule's `grad_order` (the embedding's before layer 0's).
+Each operation has one executor method here: it calls the templates, the
+prefetcher, the gradient pipeline or the activations' thread, and applies the
+operation's ledger effects with the bytes of the arrays it made (`Ledger.apply`).
+What the operations are, in which order, and what each adds to or frees from
+device memory lives in `plan.program`; this module only carries it out. The
+per-micro-batch state the operations hand each other (the running activation and
+gradient, the checkpoints, the buffers taken, the gradients not yet sent) lives in
+a `Micro`, made fresh for every micro-batch.
+
 So each unit crosses host -> device at most twice per micro-batch (a fused tail's
-layer once) and its gradient crosses device -> host once. Every device buffer the
-step holds is counted in the runtime's ledger under the kinds `memory.step_plan`
-models.
+layer once) and its gradient crosses device -> host once.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import time
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
-from megatrain_jax.engine.device.activations import tree_bytes
-from megatrain_jax.engine.plan.memory import StepPlan
-from megatrain_jax.engine.nonfinite import StepGuard
-from megatrain_jax.engine.runtime import Runtime
-from megatrain_jax.engine.plan.schedule import Schedule
 from megatrain_jax.engine.device.templates import Templates
+from megatrain_jax.engine.nonfinite import Bad, StepGuard
+from megatrain_jax.engine.plan import program as P
+from megatrain_jax.engine.plan.memory import StepPlan
+from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.models import moe
-from megatrain_jax.engine.plan import sizes
+
+OpHook = Callable[[P.Op], None]
 
 
-def micro_step(rt: Runtime, tpl: Templates, schedule: Schedule, batch: dict[str, Any],
-               scale: jax.Array, guard: StepGuard, last: bool, start_next: bool,
-               host_checkpoints: bool = False) -> tuple[jax.Array, int]:
-  """Forward, head and backward of one micro-batch; its gradients go to the pipeline.
+@dataclasses.dataclass
+class Micro:
+  """What one micro-batch's operations hand each other."""
+  batch: dict[str, Any]  # its device inputs
+  extra: dict[str, Any]  # positions and segment ids, if packed
+  buffers: dict[int, tuple] = dataclasses.field(default_factory=dict)  # position -> (array, key)
+  unit_at: dict[int, int] = dataclasses.field(default_factory=dict)  # unit -> its last position
+  x: Any = None  # the running activation
+  g: Any = None  # the running gradient
+  g_e: Any = None  # the head's gradient for a tied embedding
+  token: Any = None  # the last array computed (a released buffer is free once it is)
+  x_in: Any = None  # the last forward's input, when it keeps residuals
+  kept: Any = None  # the last forward's kept residuals
+  ckpts: dict[int, Any] = dataclasses.field(default_factory=dict)
+  xs: list = dataclasses.field(default_factory=list)  # a group's inputs in its backward
+  router: list = dataclasses.field(default_factory=list)
+  g_probs: Any = None
+  grads: dict[int, tuple] = dataclasses.field(default_factory=dict)  # unit -> (grad, finite)
+  loss: Any = None
 
-  Args:
-    rt: the runtime (prefetcher, pipeline, ledger, resident units).
-    tpl: the templates.
-    schedule: this batch shape's schedule (its fetch order and slot limits).
-    batch: the micro-batch, host arrays.
-    scale: 1 / the whole batch's mask sum (seeds the head's vjp).
-    guard: the step's guard (its loss parts are appended here).
-    last: the step's last micro-batch (per-unit updates run on its gradients).
-    start_next: queue the next step's fetches behind this micro-batch's, so the
-      link keeps working through the step's tail.
-    host_checkpoints: the checkpoints wait in host memory (all but the last
-      `schedule.device_checkpoints` groups').
 
-  Returns:
-    (this micro-batch's loss sum as a device scalar, input bytes moved).
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+  """What a step's run gives the trainer.
+
+  Attributes:
+    loss: the batch's mean loss.
+    input_bytes: the bytes of the batch moved to the device.
+    bad: what went bad (`nonfinite`), or None.
+    t_sweep: when the last micro-batch's backward was dispatched.
   """
-  ledger, tp, pf = rt.ledger, rt.transport, rt.prefetcher
-  ids = tp.to_device(batch["input_ids"])
-  labels = tp.to_device(batch["labels"])
-  mask = tp.to_device(batch["loss_mask"])
-  extra = {k: tp.to_device(batch[k]) for k in ("positions", "segment_ids") if k in batch}
-  if start_next:
-    start_fetches(pf, schedule, guard.step + 1)
+  loss: float
+  input_bytes: int
+  bad: Bad | None
+  t_sweep: float
 
-  def get(u: int):
-    if u in rt.schedule.resident_units():
-      rt.await_update(u, guard.step)  # then read the copy its update made
-      return rt.store.resident(u), None
-    return pf.get(u)
 
-  def release(key, token):
-    if key is not None:
-      pf.release(key, token)
+class Executor:
+  """Carries out a step's program with a trainer's runtime and templates."""
 
-  def send(u, g, finite):
-    rt.pipeline.send(u, g, finite, last, guard)
+  def __init__(self, rt: Runtime, tpl: Templates, on_op: OpHook | None = None):
+    """Ties the executor to its parts.
 
-  p, key = get(schedule.embed)
-  x = tpl.embed_fwd(p, ids)
-  release(key, x)
-  act_bytes = x.nbytes
-  ckpts, starts, router = {}, {s for s, _ in schedule.groups}, []
-  offload = rt.activations if host_checkpoints else None
-  sent = set(schedule.host_groups()) if offload is not None else set()
-  keep = tpl.recompute != "full"  # every layer keeps its residuals (groups of one)
-  pool = rt.pool if sizes.pools_buffers(
-      tpl.recompute, "host" if host_checkpoints else "device", rt.platform) else None
+    Args:
+      rt: the runtime.
+      tpl: the templates.
+      on_op: `on_op(op)` is called on this thread before each operation runs.
+    """
+    self.rt, self.tpl, self.on_op = rt, tpl, on_op
+    self._run = {cls: getattr(self, "_" + cls.__name__) for cls in (
+        P.StartFetches, P.Take, P.UseResident, P.Release, P.JobDone, P.EmbedForward,
+        P.Checkpoint, P.BlockForward, P.Flush, P.Head, P.SendGradient, P.Reload,
+        P.Restore, P.Recompute, P.BlockBackward, P.DropCheckpoint, P.EmbedBackward,
+        P.Settle, P.Drain)}
 
-  def checkpoint(i, saved):
-    if i in sent:
-      offload.put(i, saved)  # counted in the ledger until it has left the device
+  def run(self, plan: StepPlan, prog: P.StepProgram, batch: dict[str, Any], total: float,
+          guard: StepGuard) -> Outcome:
+    """Runs every operation of a step.
+
+    Args:
+      plan: the batch shape's plan (its byte rules name the ledger's keys).
+      prog: the step's operations.
+      batch: the whole batch, host arrays.
+      total: the batch's mask sum.
+      guard: the step's guard.
+
+    Returns:
+      The `Outcome`.
+    """
+    self.plan, self.prog, self.guard = plan, prog, guard
+    self.scale = jnp.float32(1.0 / total)
+    self.total, self.sums, self.input_bytes = total, [], 0
+    self.bad, self.loss, self.t_sweep = None, float("nan"), None
+    self.last_m = prog.grad_accum - 1
+    self.updates = any(isinstance(op, P.Settle) and op.update for op in prog.ops)
+    rows, self.micro, self.m = batch["input_ids"].shape[0], None, -1
+    self.rt.last_plan = plan
+    try:
+      for op in prog.ops:
+        if op.m != self.m and op.m < prog.grad_accum:
+          self.m = op.m
+          lo, hi = op.m * rows // prog.grad_accum, (op.m + 1) * rows // prog.grad_accum
+          self.micro = self._inputs({k: v[lo:hi] for k, v in batch.items()})
+        if self.on_op is not None:
+          self.on_op(op)
+        self._run[type(op)](op)
+      return Outcome(self.loss, self.input_bytes, self.bad, self.t_sweep)
+    finally:  # no device array of the step stays alive here, whatever happened
+      self.micro, self.sums, self.guard = None, [], None
+
+  def _inputs(self, micro: dict[str, Any]) -> Micro:
+    to = self.rt.transport.to_device
+    self.input_bytes += sum(v.nbytes for v in micro.values())
+    return Micro({k: to(micro[k]) for k in ("input_ids", "labels", "loss_mask")},
+                 {k: to(micro[k]) for k in ("positions", "segment_ids") if k in micro})
+
+  def _apply(self, op: P.Op, *arrays) -> None:
+    self.rt.ledger.apply(op.effects(self.plan.bytes), arrays)
+
+  def _param(self, u: int):
+    return self.micro.buffers[self.micro.unit_at[u]][0]
+
+  # -- fetches -----------------------------------------------------------------
+
+  def _StartFetches(self, op: P.StartFetches) -> None:
+    s = self.prog.schedule
+    self.rt.prefetcher.start(s.fetch_order, self.guard.step + op.ahead, s.limit,
+                             s.start_positions, s.tail_needs)
+
+  def _Take(self, op: P.Take) -> None:
+    self.micro.buffers[op.position] = self.rt.prefetcher.get(op.unit)
+    self.micro.unit_at[op.unit] = op.position
+
+  def _UseResident(self, op: P.UseResident) -> None:
+    self.rt.await_update(op.unit, self.guard.step)  # then read the copy its update made
+    self.micro.buffers[-1 - op.unit] = (self.rt.store.resident(op.unit), None)
+    self.micro.unit_at[op.unit] = -1 - op.unit
+
+  def _Release(self, op: P.Release) -> None:
+    _, key = self.micro.buffers.pop(op.position)
+    self.rt.prefetcher.release(key, self.micro.token)
+
+  def _JobDone(self, op: P.JobDone) -> None:
+    self.rt.prefetcher.job_done()  # no activation is left: later jobs may use start buffers
+
+  # -- forward -----------------------------------------------------------------
+
+  def _EmbedForward(self, op: P.EmbedForward) -> None:
+    mb = self.micro
+    mb.x = mb.token = self.tpl.embed_fwd(self._param(0), mb.batch["input_ids"])
+    self._apply(op, mb.x)
+
+  def _Checkpoint(self, op: P.Checkpoint) -> None:
+    mb = self.micro
+    saved = (mb.x_in, mb.kept) if mb.kept is not None else mb.x
+    mb.x_in = mb.kept = None
+    if op.host:
+      self.rt.activations.flush()  # the one before has left: at most one is leaving
+    self._apply(op, saved)
+    if op.host:
+      self.rt.activations.put(("ckpt", op.m, op.group), saved)  # freed once it has left
     else:
-      ckpts[i] = saved
-      ledger.add(("ckpt", i), tree_bytes(saved))
+      mb.ckpts[op.group] = saved
 
-  fused = schedule.fused_tail
-  held = None  # a fused tail's layer: (its parameters, key), held for the head
-  for i in range(schedule.n_layers):
-    if i in starts and not keep:
-      checkpoint(i, x)
-    p, key = get(1 + i)
-    if fused and i == schedule.n_layers - 1:
-      held, p = (p, key), None
-      ledger.add("x", act_bytes)
-      break
-    if keep:
-      y, stats, kept = tpl.block_fwd_keep(p, x, i, **extra, reuse=_reuse(tpl, pool, p, x, i, extra))
-      checkpoint(i, (x, kept))
-      x = kept = None
+  def _BlockForward(self, op: P.BlockForward) -> None:
+    mb, p = self.micro, self._param(1 + op.layer)
+    if op.keep:
+      reuse = self._reuse(p, op.layer) if op.pooled else None
+      mb.x_in = mb.x
+      y, stats, mb.kept = self.tpl.block_fwd_keep(p, mb.x, op.layer, **mb.extra, reuse=reuse)
     else:
-      y, stats = tpl.block_fwd(p, x, i, **extra)
-    x = y
+      y, stats = self.tpl.block_fwd(p, mb.x, op.layer, **mb.extra)
+    mb.x = mb.token = y
     if stats is not None:
-      router.append(stats)
-    ledger.add("x", act_bytes)
-    release(key, x)
-  p = y = None  # a released buffer must not stay alive through the backward
-  aux_sum, g_probs = _load_balancing(tpl.cfg, router, ids.size, scale)
+      mb.router.append(stats)
 
-  if offload is not None:
-    offload.flush()  # a failed copy out is raised before any gradient leaves
-  p_h, key_h = get(schedule.head)
-  p_e, key_e = get(schedule.embed) if schedule.tied else (None, None)
-  if held is not None:
-    loss_sum, g, g_h, g_e, finite, g_last, finite_last = tpl.tail(
-        held[0], p_h, p_e, x, labels, mask, scale, **extra)
-    release(held[1], g)
-    held = None
-    ledger.add(("grad", schedule.n_layers), g_last.nbytes)  # made with the head's
-  else:
-    loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, x, labels, mask, scale)
-  release(key_h, g)
-  release(key_e, g)
-  p_h = p_e = x = None
-  ledger.add("g", act_bytes)
-  loss_sum = loss_sum + aux_sum
-  guard.loss_parts.append(loss_sum)  # before any gradient: updates wait for it
-  if g_e is not None:
-    ledger.add("tied_embedding_grad", g_e.nbytes)
-  ledger.add(("grad", schedule.head), g_h.nbytes)
-  send(schedule.head, g_h, finite)
+  def _reuse(self, p, layer: int) -> tuple:
+    """Buffers for a forward to write its output and residuals into: the pool's, or
+    new ones when it has none of these shapes (the first step), so that the template
+    has one signature."""
+    mb = self.micro
+    shapes = self.tpl.kept_shapes(p, mb.x, layer, **mb.extra)
+    return self.rt.pool.take(shapes) or tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
 
-  layer0 = None
-  backward = list(reversed(schedule.groups))
-  if fused:  # the last layer's backward ran in the tail: its gradient leaves now
-    s = backward.pop(0)[0]
-    if offload is not None and backward:
-      offload.prefetch(backward[0][0])
-    ckpts.pop(s, None)
-    ledger.remove(("ckpt", s))
-    if s:
-      send(1 + s, g_last, finite_last)
+  def _Flush(self, op: P.Flush) -> None:
+    self.rt.activations.flush()  # a failed copy out is raised before any gradient leaves
+
+  def _Head(self, op: P.Head) -> None:
+    mb, tpl = self.micro, self.tpl
+    aux, mb.g_probs = _load_balancing(tpl.cfg, mb.router, mb.batch["input_ids"].size,
+                                      self.scale)
+    mb.router = []
+    labels, mask = mb.batch["labels"], mb.batch["loss_mask"]
+    p_h = self._param(op.head)
+    p_e = self._param(0) if op.tied else None
+    made = []
+    if op.last_layer is not None:
+      loss_sum, g, g_h, g_e, finite, g_last, finite_last = tpl.tail(
+          self._param(op.last_layer), p_h, p_e, mb.x, labels, mask, self.scale, **mb.extra)
+      mb.grads[op.last_layer] = (g_last, finite_last)
+      made = [g_last] if op.last_trains else []
     else:
-      layer0 = (g_last, finite_last)
-    g_last = None
-  for gi, (s, e) in enumerate(backward):
-    if offload is not None and gi + 1 < len(backward):
-      offload.prefetch(backward[gi + 1][0])  # the next group's input, while this one runs
-    params = [get(1 + i) for i in range(s, e)]
-    xs = [ckpts.pop(s) if s in ckpts else offload.take(s)]
-    for j in range(e - s - 1):
-      xs.append(tpl.block_fwd(params[j][0], xs[-1], s + j, **extra)[0])
-      ledger.add(("recompute", j), act_bytes)
-    for j in reversed(range(e - s)):
-      if keep:
-        (x_in, kept), xs[j] = xs[j], None
-        g, g_p, finite = tpl.block_bwd_kept(params[j][0], x_in, kept, g, s + j, g_probs,
-                                            **extra)
-        if pool is not None:  # the next forward of these shapes writes into them
-          ledger.remove(("ckpt", s))
-          pool.give((x_in, *kept))
-        x_in = kept = None
-      else:
-        g, g_p, finite = tpl.block_bwd(params[j][0], xs[j], g, s + j, g_probs, **extra)
-      release(params[j][1], g)
-      params[j], xs[j] = None, None  # released: nothing keeps them alive
-      ledger.add(("grad", 1 + s + j), g_p.nbytes)
-      if s + j:
-        send(1 + s + j, g_p, finite)
-      else:
-        layer0 = (g_p, finite)  # held until the embedding's gradient has left
-      ledger.remove(("recompute", j))
-    ledger.remove(("ckpt", s))
-    params = xs = None
-  g_embed, finite = tpl.embed_bwd(ids, g, g_e)
-  ledger.remove("x")
-  ledger.remove("g")
-  ledger.remove("tied_embedding_grad")
-  # The embedding's gradient leaves before layer 0's: the next forward needs it first.
-  ledger.add(("grad", schedule.embed), g_embed.nbytes)
-  send(schedule.embed, g_embed, finite)
-  if layer0 is not None:
-    send(1, *layer0)
-  pf.job_done()  # no activation is left: the next job may use its start buffers
-  return loss_sum, sum(v.nbytes for v in batch.values())
+      loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, mb.x, labels, mask, self.scale)
+    mb.g = mb.token = g
+    mb.g_e = g_e
+    mb.grads[op.head] = (g_h, finite)
+    self._apply(op, g, *([g_e] if op.tied else []), g_h, *made)
+    mb.loss = loss_sum + aux
+    self.guard.loss_parts.append(mb.loss)  # before any gradient: updates wait for it
+    self.sums.append(mb.loss)
 
+  def _SendGradient(self, op: P.SendGradient) -> None:
+    g, finite = self.micro.grads.pop(op.unit)
+    self.rt.pipeline.send(("grad", op.m, op.unit), op.unit, g, finite,
+                          self.updates and op.m == self.last_m, self.guard)
 
-def start_fetches(pf, schedule: Schedule, step: int) -> None:
-  """Queues one micro-batch's fetches for `step` in the schedule's order, under its
-  slot limits (start buffers, a fused tail's needs).
+  # -- backward ----------------------------------------------------------------
 
-  Args:
-    pf: the `Prefetcher`.
-    schedule: the micro-batch's schedule.
-    step: the step the fetches are for.
-  """
-  pf.start(schedule.fetch_order, step, schedule.limit, schedule.start_positions,
-           schedule.tail_needs)
+  def _Reload(self, op: P.Reload) -> None:
+    self.rt.activations.prefetch(("ckpt", op.m, op.group))  # while this group computes
 
+  def _Restore(self, op: P.Restore) -> None:
+    mb = self.micro
+    saved = (self.rt.activations.take(("ckpt", op.m, op.group)) if op.host
+             else mb.ckpts.pop(op.group))
+    mb.xs = [saved]
 
-def _reuse(tpl: Templates, pool, p, x, layer: int, extra: dict) -> tuple | None:
-  """Buffers for `block_fwd_keep` to write into: the pool's, or new ones when it has
-  none of these shapes (the first step), so that the template has one signature."""
-  if pool is None:
-    return None
-  shapes = tpl.kept_shapes(p, x, layer, **extra)
-  return pool.take(shapes) or tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
+  def _Recompute(self, op: P.Recompute) -> None:
+    mb = self.micro
+    x = self.tpl.block_fwd(self._param(1 + op.layer), mb.xs[-1], op.layer, **mb.extra)[0]
+    mb.xs.append(x)
+    self._apply(op, x)
+
+  def _BlockBackward(self, op: P.BlockBackward) -> None:
+    mb, p = self.micro, self._param(1 + op.layer)
+    saved, mb.xs[op.j] = mb.xs[op.j], None
+    if op.kept:
+      x_in, kept = saved
+      mb.g, g_p, finite = self.tpl.block_bwd_kept(p, x_in, kept, mb.g, op.layer, mb.g_probs,
+                                                  **mb.extra)
+    else:
+      mb.g, g_p, finite = self.tpl.block_bwd(p, saved, mb.g, op.layer, mb.g_probs,
+                                             **mb.extra)
+    mb.token = mb.g
+    mb.grads[1 + op.layer] = (g_p, finite)
+    self._apply(op, *([g_p] if op.trains else []))
+    if op.pooled:  # the next forward of these shapes writes into them
+      self.rt.pool.give((saved[0], *saved[1]))
+
+  def _DropCheckpoint(self, op: P.DropCheckpoint) -> None:
+    self.micro.ckpts.pop(op.group, None)
+    self._apply(op)
+
+  def _EmbedBackward(self, op: P.EmbedBackward) -> None:
+    mb = self.micro
+    g_embed, finite = self.tpl.embed_bwd(mb.batch["input_ids"], mb.g, mb.g_e)
+    mb.grads[0] = (g_embed, finite)
+    mb.x = mb.g = mb.g_e = None
+    self._apply(op, *([g_embed] if op.trains else []))
+
+  # -- the step's end ----------------------------------------------------------
+
+  def _Settle(self, op: P.Settle) -> None:
+    self.t_sweep = time.perf_counter()
+    self.micro = None  # nothing of the last micro-batch stays alive
+    self.loss = float(sum(float(s) for s in self.sums)) / self.total
+    self.guard.loss = self.loss
+    if op.update:
+      self.bad = self.rt.settle(self.guard, self.loss)
+    else:
+      self.rt.pipeline.wait()
+
+  def _Drain(self, op: P.Drain) -> None:
+    self.rt.prefetcher.drain()
 
 
 def _load_balancing(cfg, router: list, tokens: int, scale: jax.Array
@@ -234,39 +297,3 @@ def _load_balancing(cfg, router: list, tokens: int, scale: jax.Array
   stats, rows = moe.total_stats(router), len(router) * tokens
   aux = cfg.router_aux_loss_coef * moe.aux_loss(cfg, stats, rows)
   return aux / scale, moe.aux_grad(cfg, stats.picks, rows)
-
-
-def sweep(rt: Runtime, tpl: Templates, plan: StepPlan, batch: dict[str, Any], total: float,
-          guard: StepGuard, grad_accum: int, update: bool, started: bool
-          ) -> tuple[float, int]:
-  """Every micro-batch's forward and backward; the gradients go to the pipeline.
-
-  Args:
-    rt: the runtime.
-    tpl: the templates.
-    plan: this batch shape's plan.
-    batch: the whole batch, host arrays.
-    total: the batch's mask sum.
-    guard: the step's guard.
-    grad_accum: micro-batches.
-    update: this step updates (its last micro-batch's gradients are applied, and the
-      next step's fetches start behind it).
-    started: the first micro-batch's fetches were started by the step before.
-
-  Returns:
-    (the batch's mean loss, input bytes moved).
-  """
-  b = batch["input_ids"].shape[0]
-  scale, sums, input_bytes = jnp.float32(1.0 / total), [], 0
-  rt.last_plan = plan
-  for m in range(grad_accum):
-    if not (m == 0 and started):
-      start_fetches(rt.prefetcher, plan.schedule, guard.step)
-    last = update and m == grad_accum - 1
-    micro = {k: v[m * b // grad_accum:(m + 1) * b // grad_accum] for k, v in batch.items()}
-    loss_sum, nbytes = micro_step(rt, tpl, plan.schedule, micro, scale, guard, last,
-                                  start_next=last,
-                                  host_checkpoints=plan.activations == "host")
-    sums.append(loss_sum)
-    input_bytes += nbytes
-  return float(sum(float(s) for s in sums)) / total, input_bytes

@@ -52,6 +52,7 @@ class Runtime:
     self.ledger = Ledger()
     self.copies = CopyCounter()
     self.clock = UpdateClock(schedule.n_units)
+    self.clock.listen(lambda: self.prefetcher.wake())  # an update done may let it fetch
     self.store = UnitStore(host_opt, transport, self.cd, keep_copy, self.ledger)
     # Updates wait for the whole sweep when the transform needs every gradient, or
     # when a non-finite step must be skippable.
@@ -71,10 +72,11 @@ class Runtime:
       What placing the resident units met (the threads are stopped again).
     """
     self.prefetcher = Prefetcher(self.fetch, self.ec.prefetch_depth, self.schedule.held,
-                                 self.ledger, self.ec.timeout_s, ready=self.ready)
+                                 self.ledger, self.ec.timeout_s, ready=self.ready,
+                                 await_compute=self.transport.await_compute)
     self.pipeline = GradientPipeline(self.host_opt, self.store, self.clock, self.transport,
                                      self.ledger, self.defer, self.ec.timeout_s,
-                                     self._grad_hook)
+                                     self._grad_hook, on_error=self.clock.interrupt)
     self.activations = HostActivations(self.transport, self.ledger, self.ec.timeout_s)
     self.pool = BufferPool(self.ledger)
     self.open = True  # from here on `shutdown` stops the threads
@@ -104,29 +106,25 @@ class Runtime:
     """
     if self.clock.ready(u, step):
       return True
-    self._check_alive()
+    self.pipeline.check()  # an update that failed never comes
     return False
 
-  def fetch(self, u: int, step: int, deadline: float | None = None,
-            stop: Callable[[], None] | None = None) -> jax.Array:
+  def fetch(self, u: int, step: int, deadline: float | None = None) -> jax.Array:
     """A unit's copy on the device, once its update of the step before is done.
 
     Args:
       u: the unit.
       step: the step the fetch is for.
-      deadline: a caller's `time.monotonic()` limit (None on the prefetch thread).
-      stop: called while waiting; raises to end the wait (the prefetch thread's
-        cancel, which must not wait for an update that a refused step took back).
+      deadline: a caller's `time.monotonic()` limit, to wait for the update until;
+        None on the prefetch thread, which fetches only units `ready` found
+        updated and never waits here (a step refused since then cancels what it
+        fetched).
 
     Returns:
       The device array.
     """
-    def check():
-      self._check_alive()
-      if stop is not None:
-        stop()
-
-    self.clock.wait(u, step, check, deadline, self.schedule.unit_name(u))
+    if deadline is not None:
+      self.clock.wait(u, step, self._check_alive, deadline, self.schedule.unit_name(u))
     return self.store.to_device(u)
 
   # -- called by the trainer ----------------------------------------------------

@@ -22,8 +22,8 @@ from megatrain_jax.engine.build import build, host_units
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.health import Health
 from megatrain_jax.engine.host.optimizer import HostOptimizer
-from megatrain_jax.engine.runtime import shutdown_quietly
-from megatrain_jax.engine.execute import sweep
+from megatrain_jax.engine.runtime import Runtime, shutdown_quietly
+from megatrain_jax.engine.execute import Executor, OpHook, Outcome
 from megatrain_jax.engine.host.state import Snapshot
 from megatrain_jax.engine.device.transport import Transport
 from megatrain_jax.models import llama
@@ -41,7 +41,8 @@ class StreamingTrainer:
   """
 
   def __init__(self, model: llama.Llama, optimizer: optax.GradientTransformation,
-               config: EngineConfig | None = None, *, grad_hook: GradHook | None = None):
+               config: EngineConfig | None = None, *, grad_hook: GradHook | None = None,
+               on_op: OpHook | None = None):
     """Copies `model`'s parameters into the host store.
 
     Args:
@@ -51,18 +52,21 @@ class StreamingTrainer:
       grad_hook: `hook(unit, gradient) -> gradient` on each device gradient before it
         leaves the device (inspection, fault injection); its result is checked for
         finiteness again.
+      on_op: `on_op(op)` before each operation of a step (`plan.program`), on the
+        step's thread: tracing, profiling, or pacing the engine in a test.
 
     Raises:
       ValueError: a config the device budget cannot hold, or optimizer_mode="per_unit"
         for a transform that needs the whole tree.
     """
     units = [model.embed.tree(), *(b.tree() for b in model.blocks), model.head.tree()]
-    self._setup(model.cfg, optimizer, config or EngineConfig(), units, grad_hook)
+    self._setup(model.cfg, optimizer, config or EngineConfig(), units, grad_hook, on_op)
 
   @classmethod
   def from_units(cls, cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                  config: EngineConfig | None, unit_trees: Iterable[Any], *,
-                 grad_hook: GradHook | None = None) -> "StreamingTrainer":
+                 grad_hook: GradHook | None = None,
+                 on_op: OpHook | None = None) -> "StreamingTrainer":
     """A trainer over unit trees produced one at a time (the whole model never exists).
 
     Args:
@@ -71,18 +75,20 @@ class StreamingTrainer:
       config: the engine config (None: `EngineConfig()`).
       unit_trees: embed, each block, head (numpy or host arrays), consumed lazily.
       grad_hook: as `__init__`.
+      on_op: as `__init__`.
 
     Returns:
       The trainer.
     """
     self = cls.__new__(cls)
-    self._setup(cfg, optimizer, config or EngineConfig(), unit_trees, grad_hook)
+    self._setup(cfg, optimizer, config or EngineConfig(), unit_trees, grad_hook, on_op)
     return self
 
   @classmethod
   def from_config(cls, cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                   config: EngineConfig | None = None, key: jax.Array | None = None, *,
-                  grad_hook: GradHook | None = None) -> "StreamingTrainer":
+                  grad_hook: GradHook | None = None,
+                  on_op: OpHook | None = None) -> "StreamingTrainer":
     """Initialises every unit on the host CPU backend, one at a time.
 
     Args:
@@ -92,6 +98,7 @@ class StreamingTrainer:
       key: the PRNG key; with the same key the parameters equal
         `Llama(cfg, rngs=nnx.Rngs(params=key))`'s.
       grad_hook: as `__init__`.
+      on_op: as `__init__`.
 
     Returns:
       The trainer.
@@ -102,11 +109,12 @@ class StreamingTrainer:
     if key is None:
       raise ValueError("from_config needs an explicit PRNG key, e.g. jax.random.key(0).")
     return cls.from_units(cfg, optimizer, config, host_units(cfg, key),
-                          grad_hook=grad_hook)
+                          grad_hook=grad_hook, on_op=on_op)
 
-  def _setup(self, cfg, optimizer, ec: EngineConfig, unit_trees, grad_hook) -> None:
+  def _setup(self, cfg, optimizer, ec: EngineConfig, unit_trees, grad_hook, on_op) -> None:
     self.cfg, self.config = cfg, ec
     self.schedule, self.templates, self._rt = build(cfg, optimizer, ec, unit_trees, grad_hook)
+    self._executor = Executor(self._rt, self.templates, on_op)
     self._finalizer = weakref.finalize(self, shutdown_quietly, self._rt)
     self._health = Health(self._rt, self.schedule.unit_name)
     self._steps = 0
@@ -138,20 +146,17 @@ class StreamingTrainer:
     guard = nonfinite.StepGuard(step=self._steps + 1,
                                 prev=None if rt.defer else self._health.late)
     try:
-      loss = guard.loss = self._sweep(batch, total, plan, guard, update=True)
-      t_compute = time.perf_counter()
-      bad = rt.settle(guard, loss)
-      rt.prefetcher.drain()
+      run = self._sweep(batch, total, plan, guard, update=True)
     except BaseException as e:
       self._health.fail(e)
       raise
     t_end = time.perf_counter()
     self._steps += 1
-    rt.end_step(guard.step, before, self._input_bytes, t0, t_compute, t_end)
-    out = {"loss": loss, "tokens": total, "step_time_s": t_end - t0}
-    if bad is not None:
+    rt.end_step(guard.step, before, run.input_bytes, t0, run.t_sweep, t_end)
+    out = {"loss": run.loss, "tokens": total, "step_time_s": t_end - t0}
+    if run.bad is not None:
       rt.pipeline.drop_gradients()
-      err = self._health.bad_step(bad, guard, skip=self.config.nonfinite == "skip")
+      err = self._health.bad_step(run.bad, guard, skip=self.config.nonfinite == "skip")
       if err is not None:
         if not guard.updated:  # nothing was applied: the caller may fix it and retry
           self._steps -= 1
@@ -164,18 +169,18 @@ class StreamingTrainer:
 
   def _prepare(self, batch):
     self._health.check_usable()
-    return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum)
+    return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum,
+                                deferred=self._rt.defer)
 
-  def _sweep(self, batch, total: float, plan, guard, update: bool) -> float:
+  def _sweep(self, batch, total: float, plan, guard, update: bool) -> Outcome:
     self._rt.pipeline.check()  # a failure after the last step returned
     self._health.check_late()
     if self._next_started is not None and self._next_started != plan:
       self._cancel_prefetch()  # fetched ahead for another batch shape
     started, self._next_started = self._next_started is not None, None
-    loss, self._input_bytes = sweep(self._rt, self.templates, plan, batch, total, guard,
-                                    self.config.grad_accum, update, started)
+    run = self._executor.run(plan, plan.program(update, started), batch, total, guard)
     self._next_started = plan if update else None
-    return loss
+    return run
 
   def loss_and_grads(self, batch: dict[str, Any]):
     """The loss and gradient at the current parameters; no update.
@@ -192,14 +197,12 @@ class StreamingTrainer:
     batch, total, plan = self._prepare(batch)
     guard = nonfinite.StepGuard(step=self._steps + 1)
     try:
-      loss = self._sweep(batch, total, plan, guard, update=False)
-      self._rt.pipeline.wait()
-      self._rt.prefetcher.drain()
-      self._rt.count_fetches(guard.step, self._input_bytes)
+      run = self._sweep(batch, total, plan, guard, update=False)
+      self._rt.count_fetches(guard.step, run.input_bytes)
     except BaseException as e:
       self._health.fail(e)
       raise
-    return loss, llama.assemble_units(self._rt.take_gradients())
+    return run.loss, llama.assemble_units(self._rt.take_gradients())
 
   def _cancel_prefetch(self) -> None:
     """Drops fetches started for the next step (the state changes outside a step)."""
@@ -256,6 +259,11 @@ class StreamingTrainer:
   def transport(self) -> Transport:
     """How this trainer moves bytes."""
     return self._rt.transport
+
+  @property
+  def runtime(self) -> Runtime:
+    """The parts its threads share: the ledger, the update clock, the prefetcher."""
+    return self._rt
 
   def _settled(self) -> None:
     """Valid, with the last step's updates done (nothing to wait for once closed)."""

@@ -1,7 +1,9 @@
 """The engine's worker threads: one job queue each, errors kept for the caller.
 
 A thread records the first exception it meets and stops handling jobs; the caller's
-next wait on it raises that exception. Only callers time out.
+next wait on it raises that exception, and `on_error` tells whoever else may be
+waiting for its work. Waits are woken by the thread when a job is done; only
+callers time out.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ from typing import Callable
 from absl import logging
 
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS
-
-POLL_S = 0.05
 
 
 class WorkerError(RuntimeError):
@@ -31,8 +31,18 @@ class Worker:
   """
 
   def __init__(self, handle: Callable[[list], None], name: str,
-               max_pending: int = MAX_PENDING_GRADIENTS, close_timeout_s: float = 600.0):
-    self._handle, self.max_pending = handle, max_pending
+               max_pending: int = MAX_PENDING_GRADIENTS, close_timeout_s: float = 600.0,
+               on_error: Callable[[], None] | None = None):
+    """Starts the thread.
+
+    Args:
+      handle: runs one job (see the class docstring).
+      name: the thread's name, after "megatrain-".
+      max_pending: the most jobs queued or running at once.
+      close_timeout_s: how long `close` waits for the queued jobs.
+      on_error: called (on this thread) after the first error it records.
+    """
+    self._handle, self.max_pending, self._on_error = handle, max_pending, on_error
     self._close_timeout = close_timeout_s
     self._jobs: queue.Queue = queue.Queue()
     self._cond = threading.Condition()
@@ -51,6 +61,8 @@ class Worker:
           self._handle(box)
       except BaseException as e:  # pylint: disable=broad-except
         self.error = e
+        if self._on_error is not None:
+          self._on_error()
       finally:
         box.clear()
         with self._cond:
@@ -90,11 +102,12 @@ class Worker:
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with self._cond:
       while self._pending >= n and self.error is None:
-        if deadline is not None and time.monotonic() > deadline:
-          raise TimeoutError(f"{self._thread.name} busy for over {timeout_s:.0f} s.")
         if not self._thread.is_alive():
           raise WorkerError(f"The {self._thread.name} thread stopped.")
-        self._cond.wait(POLL_S)
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+          raise TimeoutError(f"{self._thread.name} busy for over {timeout_s:.0f} s.")
+        self._cond.wait(left)  # the thread wakes it after every job
     self.check()
 
   def close(self) -> None:

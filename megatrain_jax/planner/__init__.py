@@ -1,8 +1,7 @@
 """Will it fit, and how fast? Hardware profiles (`hardware`) and the plan (`plan`)."""
 
-from megatrain_jax.planner.hardware import (GB, PROFILES, Hardware, hardware,
-                                            measure_hardware)
+from megatrain_jax.planner.hardware import GB, PROFILES, Hardware, hardware
 from megatrain_jax.planner.plan import (LONG_CONTEXT, TB, Plan, config_from_hf_json,
                                         device_peak, device_total, fastest, fit_compute,
-                                        largest_batch, plan, resolve, step_bytes,
+                                        largest_batch, plan, resolve, step_bytes, step_flops,
                                         workspace_bytes)

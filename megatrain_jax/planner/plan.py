@@ -36,8 +36,9 @@ from megatrain_jax.engine.plan import memory, sizes
 from megatrain_jax.engine.plan import pinned as pinned_lib
 from megatrain_jax.engine.plan import workspace
 from megatrain_jax.engine.config import RECOMPUTE
+from megatrain_jax.engine.plan import program as program_lib
 from megatrain_jax.engine.plan.schedule import Schedule
-from megatrain_jax.metrics import model_flops_per_token, recompute_flops_per_token
+from megatrain_jax.metrics import layer_forward_flops_per_token, model_flops_per_token
 from megatrain_jax.models import layers
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.planner.hardware import Hardware
@@ -50,9 +51,10 @@ TB = 1e12
 # -----------------------------------------------------------------------------
 
 def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
-                flash_attention: bool = True) -> int:
+                flash_attention: bool = True, deferred: bool | None = None,
+                packed: bool | None = None) -> int:
   """The device bytes the engine's ledger can peak at for this shape
-  (`engine.memory.step_plan`, the one device model).
+  (`engine.plan.memory.step_plan`, the one device model).
 
   Args:
     cfg: the model.
@@ -60,12 +62,15 @@ def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
     batch_size: sequences per step.
     seq_len: tokens per sequence.
     flash_attention: the hardware is a GPU (see `workspace_bytes`).
+    deferred: the updates wait for the whole sweep (a transform that needs the
+      whole tree; None: only with `nonfinite="skip"`).
+    packed: the batches carry packed-document ids (None: the larger of both).
 
   Returns:
     The step plan's peak total, in bytes.
   """
-  return memory.step_plan(cfg, ec, batch_size, seq_len,
-                          _platform(flash_attention)).peak["total"]
+  return memory.step_plan(cfg, ec, batch_size, seq_len, _platform(flash_attention),
+                          deferred=deferred, packed=packed).peak["total"]
 
 
 def workspace_bytes(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
@@ -202,6 +207,21 @@ class Plan:
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
+def step_program(cfg: LlamaConfig, ec) -> program_lib.StepProgram:
+  """A step's operations for `ec` (`engine.plan.program`): what the planner counts
+  its template calls, fetches, gradients and recomputed forwards from.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+
+  Returns:
+    The `StepProgram` of a step after the first (its fetches started ahead).
+  """
+  return program_lib.step_program(Schedule.build(cfg, ec), ec.grad_accum,
+                                  keep=ec.recompute != "full")
+
+
 def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
   """Bytes one step moves each way, and the host optimizer's traffic.
 
@@ -210,16 +230,60 @@ def step_bytes(cfg: LlamaConfig, ec) -> dict[str, int]:
     ec: the engine config (compute dtype, grad_accum, stream_embed_head).
 
   Returns:
-    {"h2d", "d2h", "host_opt"}: bytes per step.
+    {"h2d": every fetch of the step's program, "d2h": every gradient it sends,
+    "host_opt"}: bytes per step.
   """
-  cd = jnp.dtype(ec.compute_dtype).itemsize
-  counts = sizes.unit_sizes(cfg)
-  n, embed = sum(counts), counts[0]
-  fetched = Schedule.build(cfg, ec).fetched_bytes(counts)  # in elements
-  grads = cd * (n - embed) + 4 * embed
+  prog = step_program(cfg, ec)
+  unit, grad = sizes.unit_param_bytes(cfg, ec), sizes.unit_grad_bytes(cfg, ec)
+  n, cd = sum(sizes.unit_sizes(cfg)), jnp.dtype(ec.compute_dtype).itemsize
   # AdamW-class: read master, grad, 2 moments; write master, 2 moments; write the copy.
   opt = n * (4 + 4 + 16 + cd) + (4 * n * 2 * (ec.grad_accum - 1))
-  return {"h2d": ec.grad_accum * cd * fetched, "d2h": ec.grad_accum * grads, "host_opt": opt}
+  return {"h2d": sum(unit[u] for u in prog.fetched_units()),
+          "d2h": sum(grad[u] for u in prog.sent_units()), "host_opt": opt}
+
+
+def step_flops(cfg: LlamaConfig, ec, batch_size: int, seq_len: int) -> float:
+  """FLOPs of one step: the model's forward and backward (`model_flops_per_token`),
+  plus every forward its program runs again (`recomputed_flops_per_token`).
+
+  Args:
+    cfg: the model.
+    ec: the engine config (recompute, checkpoint_every, grad_accum).
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+
+  Returns:
+    The FLOPs.
+  """
+  prog = step_program(cfg, ec)
+  again = sum(recomputed_flops_per_token(cfg, seq_len, op, ec.recompute) for op in prog.ops)
+  return (model_flops_per_token(cfg, seq_len) + again / ec.grad_accum) * batch_size * seq_len
+
+
+def recomputed_flops_per_token(cfg: LlamaConfig, seq_len: int, op, recompute: str) -> float:
+  """The FLOPs per token an operation spends running a forward again: a group's
+  recomputed input, and a layer's backward that recomputes its forward (all of it
+  with recompute "full"; with "dots" the attention scores and weighted values;
+  with a feed-forward in chunks, those chunks, in every mode but "full", whose
+  forward holds them).
+
+  Args:
+    cfg: the model.
+    seq_len: tokens per sequence.
+    op: an operation of a step's program.
+    recompute: `EngineConfig.recompute`.
+
+  Returns:
+    The FLOPs (0 for an operation that recomputes nothing).
+  """
+  if isinstance(op, program_lib.Recompute) or (
+      isinstance(op, program_lib.BlockBackward) and not op.kept):
+    return layer_forward_flops_per_token(cfg, seq_len, op.layer)
+  if not isinstance(op, program_lib.BlockBackward):
+    return 0.0
+  ff = 6.0 * cfg.d_model * cfg.d_ff if cfg.mlp_chunk else 0.0
+  attention = 4.0 * seq_len * cfg.n_heads * cfg.head_dim if recompute == "dots" else 0.0
+  return attention + ff
 
 
 def collective_s(grad_bytes: float, hw: Hardware, devices: int, hosts: int) -> float:
@@ -244,24 +308,13 @@ def _times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
   """Each resource's time for one step of one device's share of the batch."""
   devices = max(ec.data_parallel, 1)
   batch_size //= devices * hosts
-  tokens = batch_size * seq_len
   # Checkpoints sent to host memory cross the link once each way per micro-batch.
   moved = ec.grad_accum * memory.step_plan(cfg, ec, batch_size, seq_len).host_checkpoint_bytes
-  # Feed-forward chunks are recomputed inside their own jax.checkpoint whatever the
-  # mode; "dots" recomputes the attention scores and weighted values too.
-  ff = 6.0 * cfg.d_model * cfg.d_ff * cfg.n_layers if cfg.mlp_chunk else 0.0
-  # A fused tail runs the last layer's forward once (`Schedule.fused_tail`).
-  fused = Schedule.build(cfg, ec).fused_tail
-  recompute = {"full": recompute_flops_per_token(cfg, seq_len, cfg.n_layers - fused)
-               * (1 if ec.checkpoint_every == 1 else 2),
-               "dots": 4.0 * cfg.n_layers * seq_len * cfg.n_heads * cfg.head_dim + ff,
-               "none": ff}[ec.recompute]
-  flops = (model_flops_per_token(cfg, seq_len) + recompute) * tokens
-  per_micro_calls = 3 + cfg.n_layers * (3 if ec.checkpoint_every == 1 else 4) - 2 * fused
+  flops = step_flops(cfg, ec, batch_size, seq_len)
+  calls = step_program(cfg, ec).template_calls()
   b = step_bytes(cfg, ec)
   return {
-      "compute": flops / hw.flops_at(cfg.d_model)
-                 + ec.grad_accum * per_micro_calls * hw.call_overhead_s,
+      "compute": flops / hw.flops_at(cfg.d_model) + calls * hw.call_overhead_s,
       "h2d": (b["h2d"] + moved) / hw.h2d_bytes_per_s,
       "d2h": (b["d2h"] + moved) / hw.d2h_bytes_per_s,
       "host_opt": b["host_opt"] / hw.host_opt_bytes_per_s,

@@ -4,7 +4,7 @@ During the forward each checkpointed block input is handed to `HostActivations`,
 whose transfer thread copies it to host memory (`Transport.offload`) while the
 next layers compute; its device buffer is counted in the ledger until the copy is
 done, and at most one copy is outstanding, so the device holds a fixed number of
-checkpoints whatever the depth (`replay.HOST_CHECKPOINTS_ON_DEVICE`). The
+checkpoints whatever the depth (`plan.simulate` counts them). The
 backward asks for each group's input one group ahead (`prefetch`), and the same
 thread brings it back (`Transport.reload`) while the group before computes.
 
@@ -93,9 +93,9 @@ class HostActivations:
     if self._closed:  # a transfer that outlived the runtime changes nothing
       return
     if nbytes is None:
-      self._ledger.remove(("ckpt", key))
+      self._ledger.remove(key)
     else:
-      self._ledger.add(("ckpt", key), nbytes)
+      self._ledger.add(key, nbytes)
 
   def _hold(self, key, nbytes: int | None) -> None:
     with self._lock:
@@ -107,7 +107,7 @@ class HostActivations:
 
   def _send(self, key, x) -> Any:
     try:
-      host = jax.tree.map(self._tp.offload, x)
+      host = self._tp.offload(x)
       self.bytes_moved["d2h"] += tree_bytes(x)
       self._hold(key, tree_bytes(host))
       return host
@@ -117,7 +117,7 @@ class HostActivations:
   def _bring(self, key, out: concurrent.futures.Future) -> Any:
     host = out.result()
     self._count(key, tree_bytes(host))
-    x = jax.tree.map(self._tp.reload, host)
+    x = self._tp.reload(host)
     self.bytes_moved["h2d"] += tree_bytes(x)
     self._hold(key, None)
     return x
@@ -134,9 +134,11 @@ class HostActivations:
 
   def put(self, key, x) -> None:
     """Sends a checkpoint to host memory, once the one before it has arrived there.
+    The caller has counted it in the ledger under `key`; it is freed there once it
+    has left the device.
 
     Args:
-      key: its name (the group's first layer).
+      key: its ledger key.
       x: the block input, on the device (or, with recompute "dots" or "none", the
         input with the layer's kept residuals: a tree of device arrays).
 
@@ -144,7 +146,6 @@ class HostActivations:
       What the earlier transfer met; TimeoutError if it takes over `timeout_s`.
     """
     self.flush()
-    self._count(key, tree_bytes(x))
     self._out[key] = self._submit(self._send, key, x)
 
   def flush(self) -> None:
@@ -172,8 +173,8 @@ class HostActivations:
       key: a key given to `put`.
 
     Returns:
-      What `put` was given, on the device; counted in the ledger under ("ckpt", key)
-      until the caller removes it.
+      What `put` was given, on the device; counted in the ledger under `key` until
+      the caller removes it.
 
     Raises:
       What the transfer met; TimeoutError if it takes over `timeout_s`.

@@ -191,11 +191,11 @@ class MeshTransport(DeviceTransport):
       return value
     return float(np.sum(multihost_utils.process_allgather(np.float32(value)), dtype=np.float64))
 
-  def offload(self, device_array):
-    """Moves an activation to pinned host memory, keeping its sharding.
+  def offload(self, tree):
+    """Moves a checkpoint to pinned host memory, keeping each array's sharding.
 
     Args:
-      device_array: an array on the mesh.
+      tree: an array on the mesh, or a tree of them.
 
     Returns:
       The same shards in pinned host memory.
@@ -207,17 +207,17 @@ class MeshTransport(DeviceTransport):
       raise ValueError("activations='host' with data_parallel > 1 needs the devices' "
                        "pinned_host memory, which this platform does not have: use "
                        "activations='device'.")
-    return jax.device_put(device_array, device_array.sharding.with_memory_kind(
-        self._host_kind)).block_until_ready()
+    return jax.block_until_ready(jax.tree.map(lambda a: jax.device_put(
+        a, a.sharding.with_memory_kind(self._host_kind)), tree))
 
-  def reload(self, host_array):
-    """Moves an `offload` result back to device memory, keeping its sharding.
+  def reload(self, tree):
+    """Moves an `offload` result back to device memory, keeping each sharding.
 
     Args:
-      host_array: what `offload` returned.
+      tree: what `offload` returned.
 
     Returns:
-      The array on the mesh in device memory.
+      The arrays on the mesh in device memory.
     """
-    return jax.device_put(host_array, host_array.sharding.with_memory_kind(
-        self._kind)).block_until_ready()
+    return jax.block_until_ready(jax.tree.map(lambda a: jax.device_put(
+        a, a.sharding.with_memory_kind(self._kind)), tree))

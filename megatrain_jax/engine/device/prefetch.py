@@ -1,5 +1,12 @@
 """Host -> device: the prefetch thread and its buffer slots.
 
+The thread follows the slot rules of `plan.slots` (the rules the simulation of a
+step replays): it fetches units in each queued job's order, out of order past a
+unit whose update is not done yet, into at most the buffers the rules allow, and
+reclaims a buffer the compute released only when a fetch needs its slot. It sleeps
+on a condition until something it waits for happens: a release, an update done
+(`wake`, which the update clock calls), a new job, a cancel. Nothing polls.
+
 Timeouts: only a caller waiting on the engine (`get`, `cancel`, a fetch on the
 caller's thread with `depth == 0`) times out. The prefetch thread itself waits for
 a free slot or an updated unit as long as it takes: an idle trainer (a notebook
@@ -9,34 +16,15 @@ left alone, an evaluation loop, a slow checkpoint) never dies of waiting.
 from __future__ import annotations
 
 import collections
-import queue
 import threading
 import time
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping
 
 import jax
 
 from megatrain_jax.engine.device.ledger import Ledger
+from megatrain_jax.engine.plan.slots import RECLAIM, Fetch, Job, Slots
 from megatrain_jax.engine.workers import WorkerError
-
-POLL_S = 0.05
-READY_POLL_S = 0.002  # the thread's wait for an update (or a free slot) to go on
-
-
-class _Cancelled(Exception):
-  """The schedule being fetched was cancelled."""
-
-
-class Job(NamedTuple):
-  """One schedule to fetch: its id, unit order, tag (the step), slot limits, how
-  many first positions may fill start buffers, and the buffers a fused tail's
-  fetches need by position (`Schedule.tail_needs`)."""
-  id: int
-  order: tuple[int, ...]
-  tag: int
-  limit: Callable[[int], int]
-  starts: int = 0
-  needs: Mapping[int, int] = {}
 
 
 class Prefetcher:
@@ -45,211 +33,139 @@ class Prefetcher:
   A buffer is freed by `release(key, token)`: once `token` (an array computed from
   the buffer) is ready, its slot can take the next unit. With one slot each
   transfer waits for the previous compute (no overlap); each extra slot lets one
-  more transfer run ahead. A job's `limit(position)` is the slots a fetch at that
-  position may fill: a step's first fetches may get extra buffers (see
-  `memory.step_plan`), but only once the compute of every earlier job is done
-  (`job_done`), when its activations are gone. `depth == 0` fetches on the
-  caller's thread; otherwise one background thread fetches.
-
-  `ready(u, tag)` says whether unit u can be fetched for step `tag` now (its
-  update from the step before is done). When the next unit is not ready, the
-  thread fetches the first ready one further on into a spare slot, keeping `hold`
-  slots (the most buffers the compute holds at once; a fused tail's fetches, in
-  `needs`, one more) for the units in order, so the link keeps working while the
-  last updates of the step before finish.
+  more transfer run ahead. `depth == 0` fetches on the caller's thread; otherwise
+  one background thread fetches. `ready(u, tag)` says whether unit u can be fetched
+  for step `tag` now (its update from the step before is done).
   """
 
-  def __init__(self, fetch: Callable[..., jax.Array], depth: int,
-               hold: int,
+  def __init__(self, fetch: Callable[..., jax.Array], depth: int, hold: int,
                ledger: Ledger, timeout_s: float,
-               ready: Callable[[int, int], bool] | None = None):
-    self._fetch, self.depth, self._hold = fetch, depth, hold
+               ready: Callable[[int, int], bool] | None = None,
+               await_compute: Callable[[jax.Array], None] | None = None):
+    """Starts the thread (with `depth` > 0).
+
+    Args:
+      fetch: `fetch(unit, tag, deadline)` -> the unit's device copy for step `tag`
+        (the caller's deadline, None on the thread, where the unit is ready).
+      depth: buffers fetched ahead of the compute.
+      hold: the most buffers the compute holds at once.
+      ledger: counts the buffers alive.
+      timeout_s: the longest a caller waits.
+      ready: `ready(unit, tag)`; may raise what stopped the engine.
+      await_compute: blocks until a release's token is ready
+        (`Transport.await_compute`).
+    """
+    self._fetch, self.depth = fetch, depth
+    self._await = await_compute or (lambda token: token.block_until_ready())
     self._ledger, self._timeout = ledger, timeout_s
-    self._ready_unit = ready or (lambda u, tag: True)
+    self._ready = ready or (lambda u, tag: True)
     self._cond = threading.Condition()
-    self._in_use = 0
-    self._released: collections.deque = collections.deque()
+    self._slots = Slots(hold, depth)
     self._arrived: dict[tuple[int, int], jax.Array] = {}  # (job, position) -> buffer
-    self._ahead: set[tuple[int, int]] = set()  # of those, fetched out of order
-    self._jobs: queue.Queue = queue.Queue()
+    self._started: collections.deque[Job] = collections.deque()  # jobs the compute takes
+    self._current: Job | None = None
+    self._pos = 0
+    self._busy = False  # the thread is moving or waiting on a buffer, outside the lock
+    self._waiting = False  # the thread sleeps on the condition
+    self._woken = False  # something it may wait for happened since it last looked
     self._error: BaseException | None = None
     self._abort = False
-    self._cancel = False
-    self._open_jobs = 0  # jobs started and not finished by the thread
-    self._started: collections.deque = collections.deque()  # jobs not yet taken whole
-    self._current: Job | None = None
-    self._job_ids = 0
-    self._done_through = 0  # the compute of jobs up to this id is done
-    self._pos = 0
     self.busy_s = 0.0
     self.bytes_for: collections.Counter = collections.Counter()  # by tag (step)
-    self.out_of_order = 0
-    self.start_buffer_fetches = 0  # fetches into a start buffer (see `_count_start`)
     self._thread = None
     if depth > 0:
       self._thread = threading.Thread(target=self._run, name="megatrain-prefetch",
                                       daemon=True)
       self._thread.start()
 
-  # -- slots -----------------------------------------------------------------
+  @property
+  def out_of_order(self) -> int:
+    """Fetches made out of order so far."""
+    return self._slots.out_of_order
 
-  def _reclaim_one(self) -> bool:
-    """Frees the oldest released buffer once its compute is done (waits for it)."""
-    with self._cond:
-      token = self._released.popleft() if self._released else None
-    if token is None:
-      return False
-    key, arr = token
-    if arr is not None:
-      arr.block_until_ready()
-    self._ledger.remove(key)
-    with self._cond:
-      self._in_use -= 1
-    return True
+  @property
+  def start_buffer_fetches(self) -> int:
+    """Fetches into a start buffer so far."""
+    return self._slots.start_buffer_fetches
 
-  def _limit(self, job: Job, position: int) -> int:
-    """The slots a fetch at `position` of `job` may fill now."""
-    if position < job.starts and self._done_through < job.id - 1:
-      # No start buffer before the job before is done; a fused tail's need stays.
-      return max(self._hold + self.depth, job.needs.get(position, 0))
-    return job.limit(position)
+  # -- the thread --------------------------------------------------------------
 
-  def _acquire_slot(self, job: Job, position: int, deadline: float | None) -> None:
-    """Takes a slot under the position's limit; a caller gives a deadline, the thread
-    none."""
+  def _next(self):
+    """Under the lock: the thread's next action, or None to stop."""
     while True:
-      with self._cond:
-        if self._in_use < self._limit(job, position):
-          self._in_use += 1
-          self._count_start(job, position)
-          return
-        if self._abort:
-          raise WorkerError("prefetch aborted")
-        if self._cancel:
-          raise _Cancelled()
-        has_released = bool(self._released)
-        if not has_released:
-          if deadline is not None and time.monotonic() > deadline:
-            raise TimeoutError(f"No device buffer freed in {self._timeout:.0f} s.")
-          self._cond.wait(POLL_S)
-          continue
-      self._reclaim_one()
-
-  def _count_start(self, job: Job, position: int) -> None:
-    """Counts a fetch into a start buffer: beyond hold + depth at one of the job's
-    first positions (elsewhere a limit above that is a fused tail's own need)."""
-    self.start_buffer_fetches += (position < job.starts
-                                  and self._in_use > self._hold + self.depth)
-
-  def _try_spare_slot(self, job: Job, position: int, first: int) -> bool:
-    """A free slot for a unit out of order, without waiting (released buffers whose
-    compute is done are reclaimed first). Buffers fetched out of order and not yet
-    taken stay under limit - hold, so the units in order always have `hold` slots:
-    more where a fused tail's fetch lies between the first unit pending (`first`)
-    and this one, which the compute makes while holding the last layer."""
-    limit = self._limit(job, position)
-    reserve = max([self._hold, *(n for q, n in job.needs.items() if first <= q < position)])
-    with self._cond:
-      if len(self._ahead) + reserve >= limit:
-        return False
-      while self._released and self._in_use >= limit:
-        key, arr = self._released[0]
-        if arr is not None and not arr.is_ready():
-          break
-        self._released.popleft()
-        self._ledger.remove(key)
-        self._in_use -= 1
-      if self._in_use < limit:
-        self._in_use += 1
-        self._count_start(job, position)
-        return True
-      return False
-
-  def _stop_waiting(self) -> None:
-    """Raised into a fetch waiting for an update: a cancel or an abort ends the wait
-    (the update it waits for may never come, e.g. after a refused step)."""
-    with self._cond:
       if self._abort:
-        raise WorkerError("prefetch aborted")
-      if self._cancel:
-        raise _Cancelled()
+        return None
+      self._woken = False
+      action = self._slots.next(self._ready)
+      if isinstance(action, Fetch):
+        self._slots.take(action)
+        return action
+      if action is RECLAIM:
+        return self._slots.reclaim()
+      self._waiting = True
+      self._cond.wait()  # a release, an update, a job or a cancel wakes it
+      self._waiting = False
 
-  def _fetch_into_slot(self, u: int, key, tag: int, deadline: float | None = None):
+  def _run(self) -> None:
+    try:
+      while True:
+        with self._cond:
+          action = self._next()
+          if action is None:
+            return
+          self._busy = True
+        try:
+          if isinstance(action, Fetch):
+            job, n = action.job, action.position
+            arr = self._timed_fetch(job.order[n], ("param", job.id, n), job.tag, None)
+            with self._cond:
+              self._arrived[(job.id, n)] = arr
+          else:
+            self._free(*action)
+        finally:
+          with self._cond:
+            self._busy = False
+            self._cond.notify_all()
+    except BaseException as e:  # pylint: disable=broad-except
+      with self._cond:
+        self._error = e
+        self._cond.notify_all()
+
+  def _timed_fetch(self, u: int, key, tag: int, deadline: float | None) -> jax.Array:
     t0 = time.perf_counter()
-    arr = self._fetch(u, tag, deadline, self._stop_waiting if deadline is None else None)
+    arr = self._fetch(u, tag, deadline)
     self.busy_s += time.perf_counter() - t0
     self.bytes_for[tag] += arr.nbytes
     self._ledger.add(key, arr.nbytes)
     return arr
 
-  def _fetch_held(self, u: int, key, tag: int):
-    """The thread's fetch into a slot it holds; the slot is given back if the fetch
-    ends without a buffer (cancelled, aborted or failed)."""
-    try:
-      return self._fetch_into_slot(u, key, tag)
-    except BaseException:
-      with self._cond:
-        self._in_use -= 1
-        self._cond.notify_all()
-      raise
-
-  # -- background thread -----------------------------------------------------
-
-  def _run(self):
-    while True:
-      job = self._jobs.get()
-      if job is None:
-        return
-      try:
-        self._run_job(job)
-      except _Cancelled:
-        pass
-      except BaseException as e:  # pylint: disable=broad-except
-        with self._cond:
-          self._error = e
-          self._open_jobs -= 1
-          self._cond.notify_all()
-        return
-      with self._cond:
-        self._open_jobs -= 1
-        self._cond.notify_all()
-
-  def _run_job(self, job: Job) -> None:
-    pending = list(range(len(job.order)))
-    ready = lambda p: self._ready_unit(job.order[p], job.tag)
-    while pending:
-      with self._cond:
-        if self._abort:
-          return
-        if self._cancel:
-          raise _Cancelled()
-      n = pending[0]
-      if ready(n):
-        self._acquire_slot(job, n, deadline=None)
-        arr = self._fetch_held(job.order[n], ("param", job.id, n), job.tag)
-        self._deliver(job.id, n, arr)
-        pending.pop(0)
-        continue
-      # Out of order only within the in-order fetch's reach (what it would fetch
-      # next anyway): the memory model counts buffers around the compute's position.
-      reach = n + job.limit(n)
-      ahead = next((p for p in pending[1:] if p < reach and ready(p)), None)
-      if ahead is not None and self._try_spare_slot(job, ahead, n):
-        self.out_of_order += 1
-        arr = self._fetch_held(job.order[ahead], ("param", job.id, ahead), job.tag)
-        with self._cond:
-          self._ahead.add((job.id, ahead))
-        self._deliver(job.id, ahead, arr)
-        pending.remove(ahead)
-        continue
-      time.sleep(READY_POLL_S)
-
-  def _deliver(self, job: int, n: int, arr) -> None:
+  def _free(self, key, token) -> None:
+    """Frees a reclaimed buffer once the compute that used it is done."""
+    if token is not None:
+      self._await(token)
     with self._cond:
-      self._arrived[(job, n)] = arr
-      self._cond.notify_all()
+      self._ledger.remove(key)
+      self._slots.reclaimed()
 
-  # -- caller side -----------------------------------------------------------
+  # -- caller side -------------------------------------------------------------
+
+  def _notify(self) -> None:
+    """Under the lock: something the thread may wait for happened."""
+    self._woken = True
+    self._cond.notify_all()
+
+  def wake(self) -> None:
+    """Something the thread may wait for happened (an update is done)."""
+    with self._cond:
+      self._notify()
+
+  @property
+  def idle(self) -> bool:
+    """Whether the thread sleeps with nothing to do until a release, an update, a job
+    or a cancel (True without a thread, or once it stopped)."""
+    with self._cond:
+      return (self._thread is None or not self._thread.is_alive()
+              or (self._waiting and not self._woken))
 
   def check(self) -> None:
     """Raises what stopped the prefetch thread, if anything did.
@@ -280,42 +196,33 @@ class Prefetcher:
       tag: the step the fetches are for (passed to `fetch` and `ready`).
       limit: slots a fetch at each position may fill (default: hold + depth).
       starts: how many first positions' limits include start buffers.
-      needs: buffers a fused tail's fetches need, by position (kept free of
-        out-of-order fetches).
+      needs: buffers a fused tail's fetches need, by position.
     """
     self.check()
-    self._job_ids += 1
-    job = Job(self._job_ids, tuple(order), tag,
-              limit or (lambda p: self._hold + self.depth), starts, needs or {})
-    self._started.append(job)
-    if self._thread is not None:
-      with self._cond:
-        self._open_jobs += 1
-      self._jobs.put(job)
+    with self._cond:
+      self._started.append(self._slots.new_job(order, tag, limit, starts, needs))
+      self._notify()
 
   def cancel(self) -> None:
     """Drops every started schedule and frees every buffer fetched for it.
 
     Raises:
-      TimeoutError: the thread did not stop within `timeout_s`.
+      TimeoutError: the thread did not finish its transfer within `timeout_s`.
     """
+    deadline = time.monotonic() + self._timeout
     with self._cond:
-      self._cancel = True
-      self._cond.notify_all()
-      deadline = time.monotonic() + self._timeout
-      while self._open_jobs and self._error is None and self._thread is not None \
-          and self._thread.is_alive():
-        if time.monotonic() > deadline:
+      self._slots.clear_jobs()  # the thread fetches nothing more for them
+      while self._busy and self._error is None:
+        left = deadline - time.monotonic()
+        if left <= 0:
           raise TimeoutError(f"Prefetch did not stop in {self._timeout:.0f} s.")
-        self._cond.wait(POLL_S)
+        self._cond.wait(left)
       for (j, n) in self._arrived:
         self._ledger.remove(("param", j, n))
-        self._in_use -= 1
+        self._slots.reclaimed()
       self._arrived.clear()
-      self._ahead.clear()
-      self._cancel = False
-    self._started.clear()
-    self._current, self._pos = None, 0
+      self._started.clear()
+      self._current, self._pos = None, 0
     self.drain()
 
   def get(self, u: int):
@@ -332,11 +239,11 @@ class Prefetcher:
       TimeoutError: the unit did not arrive within `timeout_s`.
     """
     if self._current is None or self._pos >= len(self._current.order):
-      self._current = self._started.popleft() if self._started else None
+      with self._cond:
+        self._current = self._started.popleft() if self._started else None
       self._pos = 0
-    job = self._current or Job(0, (), 0, lambda p: 0)
-    n = self._pos
-    expected = job.order[n] if n < len(job.order) else None
+    job, n = self._current, self._pos
+    expected = job.order[n] if job is not None else None
     if expected != u:
       raise RuntimeError(f"Prefetch schedule out of order: wanted unit {u}, "
                          f"schedule has {expected} at position {n}.")
@@ -344,26 +251,43 @@ class Prefetcher:
     key = ("param", job.id, n)
     deadline = time.monotonic() + self._timeout
     if self._thread is None:
-      self._acquire_slot(job, n, deadline)
-      return self._fetch_into_slot(u, key, job.tag, deadline), key
+      self._acquire(job, n, deadline)
+      return self._timed_fetch(u, key, job.tag, deadline), key
     with self._cond:
       while (job.id, n) not in self._arrived:
         self.check()
         if not self._thread.is_alive():
           raise WorkerError("The prefetch thread stopped.")
-        if time.monotonic() > deadline:
+        left = deadline - time.monotonic()
+        if left <= 0:
           raise TimeoutError(f"Prefetch of unit {u} took over {self._timeout:.0f} s.")
-        self._cond.wait(POLL_S)
-      self._ahead.discard((job.id, n))
+        self._cond.wait(left)
+      self._slots.taken(job.id, n)
+      self._notify()  # one fewer fetched ahead: the thread may fetch out of order again
       return self._arrived.pop((job.id, n)), key
+
+  def _acquire(self, job: Job, n: int, deadline: float) -> None:
+    """A buffer for a fetch on the caller's thread (no prefetch thread)."""
+    while True:
+      with self._cond:
+        action = self._slots.acquire(job, n)
+        if action is None:
+          return
+        if action is not RECLAIM:
+          raise TimeoutError("No device buffer is released for the next fetch: "
+                             "prefetch_depth=0 with more buffers held than its slots.")
+        released = self._slots.reclaim()
+      self._free(*released)
+      if time.monotonic() > deadline:
+        raise TimeoutError(f"No device buffer freed in {self._timeout:.0f} s.")
 
   def job_done(self) -> None:
     """The compute of the job whose units were taken last is done (its activations
     are gone): later jobs may use their start buffers."""
     with self._cond:
       if self._current is not None:
-        self._done_through = max(self._done_through, self._current.id)
-      self._cond.notify_all()
+        self._slots.job_done(self._current.id)
+      self._notify()
 
   def release(self, key, token) -> None:
     """Frees a fetched buffer once the compute that used it is done.
@@ -373,29 +297,51 @@ class Prefetcher:
       token: an array computed from the buffer (None: free it now).
     """
     with self._cond:
-      self._released.append((key, token))
-      self._cond.notify_all()
+      self._slots.release(key, token)
+      self._notify()
 
   def drain(self) -> None:
-    """Waits for every released buffer and frees it; called between steps."""
-    while self._reclaim_one():
-      pass
+    """Frees every released buffer (once the compute that used it is done): on the
+    thread, which does it before anything else, or here without one.
+
+    Raises:
+      TimeoutError: the thread did not free them within `timeout_s`.
+    """
+    if self._thread is not None and self._thread.is_alive():
+      deadline = time.monotonic() + self._timeout
+      with self._cond:
+        self._slots.draining = True
+        self._notify()
+        while (self._slots.released or self._busy) and self._error is None:
+          left = deadline - time.monotonic()
+          if left <= 0:
+            raise TimeoutError(f"Freeing the released buffers took over {self._timeout:.0f} s.")
+          self._cond.wait(left)
+        self.check()
+        return
+    while True:
+      with self._cond:
+        if not self._slots.released:
+          return
+        released = self._slots.reclaim()
+      self._free(*released)
 
   def close(self) -> None:
-    """Stops the thread and frees every buffer it fetched (none stays on the device)."""
-    if self._thread is not None and self._thread.is_alive():
-      try:
+    """Stops the thread and frees every buffer it fetched (none stays on the device).
+    What stopped the thread, if anything did, stays for `take_error`."""
+    try:
+      if self._thread is not None and self._thread.is_alive():
         self.cancel()
-      except (TimeoutError, WorkerError):
-        pass
-    with self._cond:
-      self._abort = True
-      self._cond.notify_all()
-    if self._thread is not None:
-      self._jobs.put(None)
-      self._thread.join(timeout=self._timeout)
-    with self._cond:
-      for (j, n) in self._arrived:
-        self._ledger.remove(("param", j, n))
-      self._arrived.clear()
-    self.drain()
+    except BaseException:  # pylint: disable=broad-except
+      pass  # the thread's own error is kept; stopping it comes first
+    finally:
+      with self._cond:
+        self._abort = True
+        self._notify()
+      if self._thread is not None:
+        self._thread.join(timeout=self._timeout)
+      with self._cond:
+        for (j, n) in self._arrived:
+          self._ledger.remove(("param", j, n))
+        self._arrived.clear()
+      self.drain()

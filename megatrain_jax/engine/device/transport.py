@@ -90,26 +90,36 @@ class Transport(abc.ABC):
     """
 
   @abc.abstractmethod
-  def offload(self, device_array: jax.Array) -> jax.Array:
-    """Moves an activation to host memory where the device can read it back fast.
+  def offload(self, tree):
+    """Moves a checkpoint to host memory where the device can read it back fast.
 
     Args:
-      device_array: an array in device memory (a block input).
+      tree: an array in device memory (a block input), or a tree of them (with its
+        layer's kept residuals).
 
     Returns:
-      The array in host memory, ready when this returns.
+      The same in host memory, ready when this returns.
     """
 
   @abc.abstractmethod
-  def reload(self, host_array: jax.Array) -> jax.Array:
+  def reload(self, tree):
     """Moves an `offload` result back to device memory.
 
     Args:
-      host_array: what `offload` returned.
+      tree: what `offload` returned.
 
     Returns:
-      The array in device memory, ready when this returns.
+      The same in device memory, ready when this returns.
     """
+
+  def await_compute(self, array: jax.Array) -> None:
+    """Blocks until an array computed on the device is ready: the compute that read
+    a parameter buffer is done, so the buffer may be freed.
+
+    Args:
+      array: the compute's output.
+    """
+    array.block_until_ready()
 
   def h2d_cast(self, master: tuple[jax.Array, ...], dtype) -> jax.Array:
     """The fetch when no streaming copy is kept: joins and casts a master on the host,
@@ -207,13 +217,13 @@ class DeviceTransport(Transport):
       return jax.device_put(np.asarray(pinned), self.on_host).block_until_ready()
     return jax.device_put(device_array, self.on_host).block_until_ready()
 
-  def offload(self, device_array):
+  def offload(self, tree):
     # Pinned memory of the accelerator's own client: a DMA each way, no second
     # backend involved (the CPU backend's copy where there is none).
-    return jax.device_put(device_array, self.pinned or self.on_host).block_until_ready()
+    return jax.block_until_ready(jax.device_put(tree, self.pinned or self.on_host))
 
-  def reload(self, host_array):
-    return jax.device_put(host_array, self.on_device).block_until_ready()
+  def reload(self, tree):
+    return jax.block_until_ready(jax.device_put(tree, self.on_device))
 
   def to_device(self, x):
     return jax.device_put(np.asarray(x), self.on_device)
@@ -236,7 +246,8 @@ class SimulatedLink(Transport):
     self.bytes_moved = {"h2d": 0, "d2h": 0}  # what the link was charged, each way
 
   def _move(self, direction: str, move, array, nbytes: int | None = None):
-    nbytes = array.nbytes if nbytes is None else nbytes
+    if nbytes is None:
+      nbytes = sum(a.nbytes for a in jax.tree.leaves(array))
     with self._locks[direction]:
       self.bytes_moved[direction] += nbytes
       t0 = time.perf_counter()
@@ -263,11 +274,14 @@ class SimulatedLink(Transport):
   def d2h(self, device_array):
     return self._move("d2h", self.base.d2h, device_array)
 
-  def offload(self, device_array):
-    return self._move("d2h", self.base.offload, device_array)
+  def offload(self, tree):
+    return self._move("d2h", self.base.offload, tree)
 
-  def reload(self, host_array):
-    return self._move("h2d", self.base.reload, host_array)
+  def reload(self, tree):
+    return self._move("h2d", self.base.reload, tree)
+
+  def await_compute(self, array):
+    self.base.await_compute(array)
 
   def to_device(self, x):
     return self.base.to_device(x)

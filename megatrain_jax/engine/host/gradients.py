@@ -22,7 +22,6 @@ import jax
 from megatrain_jax.engine.host.optimizer import HostOptimizer
 from megatrain_jax.engine.nonfinite import StepGuard
 from megatrain_jax.engine.device.ledger import Ledger
-from megatrain_jax.engine.workers import POLL_S
 from megatrain_jax.engine.workers import Worker
 from megatrain_jax.engine.host.copies import UnitStore
 from megatrain_jax.engine.device.transport import Transport
@@ -32,12 +31,14 @@ class GradJob(NamedTuple):
   """One unit's gradient of one micro-batch.
 
   Attributes:
+    key: its ledger key, freed once it is on the host.
     unit: the unit index.
     grad: its flat gradient (on the device, then on the host).
     finite: a device bool from the template: the gradient is all finite.
     last: the step's last micro-batch (update now, in per-unit modes).
     guard: the step's `StepGuard`.
   """
+  key: tuple
   unit: int
   grad: jax.Array
   finite: jax.Array
@@ -53,12 +54,37 @@ class UpdateAllJob(NamedTuple):
 class UpdateClock:
   """For each unit, the last step whose update of it is done (applied or refused).
 
-  A fetch for step s waits until its unit's entry reaches s - 1.
+  A fetch for step s waits until its unit's entry reaches s - 1. Every change, and
+  every failure of the engine's threads (`interrupt`), wakes the waiters and calls
+  the listeners (the prefetch thread's `wake`).
   """
 
   def __init__(self, n_units: int):
     self._done = [0] * n_units
     self._cond = threading.Condition()
+    self._listeners: list[Callable[[], None]] = []
+
+  def listen(self, fn: Callable[[], None]) -> None:
+    """Calls `fn()` after every change from now on.
+
+    Args:
+      fn: a callable that must not block.
+    """
+    self._listeners.append(fn)
+
+  def _changed(self) -> None:
+    self._cond.notify_all()
+    for fn in self._listeners:
+      fn()
+
+  def snapshot(self) -> tuple[int, ...]:
+    """Each unit's last step whose update is done.
+
+    Returns:
+      One step per unit.
+    """
+    with self._cond:
+      return tuple(self._done)
 
   def ready(self, u: int, step: int) -> bool:
     """Whether a unit's copy is the one a step computes with.
@@ -82,7 +108,7 @@ class UpdateClock:
     with self._cond:
       for u in units:
         self._done[u] = max(self._done[u], step)
-      self._cond.notify_all()
+      self._changed()
 
   def reset(self, step: int) -> None:
     """Sets every unit as of a step (after a restore).
@@ -92,7 +118,12 @@ class UpdateClock:
     """
     with self._cond:
       self._done = [step] * len(self._done)
-      self._cond.notify_all()
+      self._changed()
+
+  def interrupt(self) -> None:
+    """Wakes every waiter, to see a failure (an engine thread's error)."""
+    with self._cond:
+      self._changed()
 
   def wait(self, u: int, step: int, check: Callable[[], None],
            deadline: float | None = None, what: str = "") -> None:
@@ -101,7 +132,7 @@ class UpdateClock:
     Args:
       u: the unit.
       step: the step about to use it.
-      check: raises when the engine stopped (called while waiting).
+      check: raises when the engine stopped (called whenever woken).
       deadline: `time.monotonic()` past which a caller gives up (None: never).
       what: the unit's name for the message.
 
@@ -111,9 +142,10 @@ class UpdateClock:
     with self._cond:
       while not self.ready(u, step):
         check()
-        if deadline is not None and time.monotonic() > deadline:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
           raise TimeoutError(f"The update of {what or f'unit {u}'} took too long.")
-        self._cond.wait(POLL_S)
+        self._cond.wait(left)
 
 
 class GradientPipeline:
@@ -121,7 +153,8 @@ class GradientPipeline:
 
   def __init__(self, host_opt: HostOptimizer, store: UnitStore, clock: UpdateClock,
                transport: Transport, ledger: Ledger, defer: bool, timeout_s: float,
-               grad_hook: Callable[[int, jax.Array], jax.Array] | None = None):
+               grad_hook: Callable[[int, jax.Array], jax.Array] | None = None,
+               on_error: Callable[[], None] | None = None):
     """Starts the two threads.
 
     Args:
@@ -134,6 +167,7 @@ class GradientPipeline:
       timeout_s: a caller's longest wait on these threads.
       grad_hook: `hook(unit, device_gradient) -> gradient`, run on the caller's
         thread before the gradient leaves (its finite flag is then recomputed).
+      on_error: called when either thread fails (to wake what waits on the engine).
     """
     self.host_opt, self.store, self.clock = host_opt, store, clock
     self.transport, self.ledger = transport, ledger
@@ -142,16 +176,28 @@ class GradientPipeline:
     self.d2h_bytes = 0
     self.d2h_s = 0.0
     self.opt_s = 0.0
-    self.to_host = Worker(self._to_host, "grads", close_timeout_s=timeout_s)
-    self.optimizer = Worker(self._update, "optimizer", close_timeout_s=timeout_s)
+    self._changed = threading.Condition()  # an update done, or a thread failed
+    self._on_error = on_error
+
+    def failed():
+      with self._changed:
+        self._changed.notify_all()
+      if on_error is not None:
+        on_error()
+
+    self.to_host = Worker(self._to_host, "grads", close_timeout_s=timeout_s,
+                          on_error=failed)
+    self.optimizer = Worker(self._update, "optimizer", close_timeout_s=timeout_s,
+                            on_error=failed)
 
   # -- caller side -----------------------------------------------------------
 
-  def send(self, u: int, grad: jax.Array, finite: jax.Array, last: bool,
+  def send(self, key: tuple, u: int, grad: jax.Array, finite: jax.Array, last: bool,
            guard: StepGuard) -> None:
     """Queues a unit's gradient (already in the ledger) for the link and the update.
 
     Args:
+      key: its ledger key.
       u: the unit.
       grad: its flat gradient on the device.
       finite: the template's flag, whether it is all finite.
@@ -162,7 +208,7 @@ class GradientPipeline:
       grad = self.grad_hook(u, grad)
       finite = jax.numpy.all(jax.numpy.isfinite(grad))
     self.d2h_bytes += grad.nbytes
-    self.to_host.submit(GradJob(u, grad, finite, last, guard), self.timeout_s)
+    self.to_host.submit(GradJob(key, u, grad, finite, last, guard), self.timeout_s)
 
   def update_all(self, step: int) -> None:
     """Queues the update of every unit after a deferred sweep.
@@ -176,6 +222,27 @@ class GradientPipeline:
     """Raises what stopped either thread."""
     self.to_host.check()
     self.optimizer.check()
+
+  def wait_until(self, done: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Blocks until `done()`, woken by every update and by a thread's failure.
+
+    Args:
+      done: the condition.
+      timeout_s: the longest wait.
+      what: what is waited for, for the message.
+
+    Raises:
+      What stopped either thread; TimeoutError past `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    with self._changed:
+      while not done():
+        self.check()
+        left = deadline - time.monotonic()
+        if left <= 0:
+          raise TimeoutError(f"{what} took over {timeout_s:.0f} s.")
+        self._changed.wait(left)
+    self.check()
 
   def wait(self) -> None:
     """Waits for every queued gradient and update; raises what they met."""
@@ -208,7 +275,7 @@ class GradientPipeline:
     on_host = job._replace(grad=self.transport.d2h(job.grad))
     del job  # the device gradient is free once on the host
     self.d2h_s += time.perf_counter() - t0
-    self.ledger.remove(("grad", on_host.unit))
+    self.ledger.remove(on_host.key)
     self.optimizer.submit(on_host, timeout_s=None)
 
   def _update(self, box: list) -> None:
@@ -226,6 +293,8 @@ class GradientPipeline:
         self.host_opt.accum[job.unit].block_until_ready()
     finally:
       self.opt_s += time.perf_counter() - t0
+      with self._changed:
+        self._changed.notify_all()
 
   def _update_now(self, job: GradJob) -> None:
     """A per-unit update during the backward (see `StepGuard.admit`)."""

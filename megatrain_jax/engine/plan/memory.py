@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +20,8 @@ import optax
 
 from megatrain_jax.engine.plan import sizes, workspace
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
-from megatrain_jax.engine.plan.replay import largest_fitting, replay
+from megatrain_jax.engine.plan import program as program_lib
+from megatrain_jax.engine.plan import simulate as simulate_lib
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
 from megatrain_jax.engine.host.probe import resolve_for_config
 from megatrain_jax.engine.plan.schedule import Schedule
@@ -27,6 +29,10 @@ from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
 
 GiB = 2**30
+# Steps a plan simulates from a trainer just built: the first (nothing fetched
+# ahead, no gradient of a step before), then one more, which starts as every later
+# step does (tests/test_memory.py checks that more steps peak at the same figure).
+SIMULATED_STEPS = 2
 
 
 # -- host ---------------------------------------------------------------------------
@@ -118,19 +124,34 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
 
 @dataclasses.dataclass(frozen=True)
 class StepPlan:
-  """A micro-batch shape's schedule and the device bytes it peaks at.
+  """A batch shape's schedule, its step's operations and the device bytes they peak at.
 
   Attributes:
-    schedule: the `Schedule`, with the start buffers that fit.
+    schedule: the `Schedule`, with the start buffers and device checkpoints that fit.
     peak: bytes by kind at the moment of the peak, and "total".
     activations: where the checkpoints wait, "device" or "host" (resolved from
       `EngineConfig.activations`).
     host_checkpoint_bytes: the host memory the checkpoints sent there take.
+    bytes: the byte rules (`sizes.StepBytes`).
+    depth: `EngineConfig.prefetch_depth`.
+    grad_accum: micro-batches per step.
+    deferred: updates wait for the whole sweep.
+    keep: every layer keeps its residuals (recompute "dots" or "none").
+    pooled: kept residuals reuse pooled buffers (`sizes.pools_buffers`).
+    trains: whether each unit has a gradient (None: every unit).
   """
   schedule: Schedule
-  peak: dict[str, int]
-  activations: str = "device"
-  host_checkpoint_bytes: int = 0
+  peak: dict[str, int] = dataclasses.field(compare=False)
+  activations: str
+  host_checkpoint_bytes: int
+  bytes: sizes.StepBytes
+  depth: int
+  grad_accum: int
+  deferred: bool = False
+  keep: bool = False
+  pooled: bool = False
+  trains: tuple[bool, ...] | None = None
+  structures: tuple[int, ...] = ()
 
   @property
   def sent_groups(self) -> tuple[int, ...]:
@@ -141,30 +162,86 @@ class StepPlan:
     """
     return self.schedule.host_groups() if self.activations == "host" else ()
 
+  def program(self, update: bool = True, started: bool = True) -> program_lib.StepProgram:
+    """The operations of one step of this shape.
+
+    Args:
+      update: the step updates (`step`; else `loss_and_grads`).
+      started: its first fetches were queued by the step before.
+
+    Returns:
+      The `StepProgram`.
+    """
+    return _program(self, update, started)
+
+  def programs(self, steps: int = SIMULATED_STEPS) -> list[program_lib.StepProgram]:
+    """The operations of a trainer's first steps of this shape.
+
+    Args:
+      steps: how many.
+
+    Returns:
+      One `StepProgram` per step (the first without fetches started ahead).
+    """
+    return [self.program(started=i > 0) for i in range(steps)]
+
+  def simulate(self, steps: int = SIMULATED_STEPS, record: bool = False) -> Simulated:
+    """A trainer's first steps of this shape, under the modelled timing
+    (`plan.simulate`).
+
+    Args:
+      steps: how many.
+      record: also the timeline a real run forced into that timing follows.
+
+    Returns:
+      The peak by kind (and its "total"), and the timeline ([] without `record`).
+    """
+    peak, _ = _trace(dataclasses.replace(self, bytes=None), steps).peak(self.bytes)
+    timeline = (simulate_lib.timeline(self.programs(steps), self.bytes, self.depth,
+                                      self.structures) if record else [])
+    return Simulated(peak, timeline)
+
+
+class Simulated(NamedTuple):
+  """What `StepPlan.simulate` found: the peak by kind, and the timeline."""
+  peak: dict[str, int]
+  timeline: list
+
+
+@functools.lru_cache(maxsize=256)
+def _trace(shape: StepPlan, steps: int) -> simulate_lib.Trace:
+  """The ledger's changes, as byte rules: one per plan without its bytes, so that
+  every batch size of a search weighs the same trace."""
+  return simulate_lib.trace(shape.programs(steps), shape.depth, shape.structures)
+
+
+@functools.lru_cache(maxsize=1024)
+def _program(plan: StepPlan, update: bool, started: bool) -> program_lib.StepProgram:
+  return program_lib.step_program(
+      plan.schedule, plan.grad_accum, update=update, started=started,
+      deferred=plan.deferred, host_groups=plan.sent_groups, keep=plan.keep,
+      pooled=plan.pooled, trains=plan.trains)
+
 
 def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
-              seq_len: int, platform: str | None = None) -> StepPlan:
-  """The schedule and device peak of a step on batches [batch_size, seq_len].
+              seq_len: int, platform: str | None = None, deferred: bool | None = None,
+              trains: tuple[bool, ...] | None = None, packed: bool | None = None
+              ) -> StepPlan:
+  """The schedule, operations and device peak of a step on batches [batch_size, seq_len].
 
-  The peak replays one micro-batch as the trainer runs it: parameter buffers (at
-  most the fetch's slot limit among the positions around the compute, released
-  ones counted until reclaimed), resident units, activation checkpoints (all of
-  them, or with activations in host memory the last groups' that stay and those
-  being worked on and moving), the running activation and gradient, a group's
-  recomputed inputs, and gradients waiting for the link (a full queue of
-  `MAX_PENDING_GRADIENTS`, plus the one just made, plus layer 0's while the
-  embedding's leaves, plus the tied embedding's from the head). XLA's scratch
-  inside one call (e.g. a chunk of logits) is not in it (`replay.replay`). With
-  activations in host memory and `device_checkpoints=None`, the last groups'
-  inputs stay on the device as far as the peak with only the last one kept
-  allows. Extra start buffers
+  The peak is the largest total of the ledger over `SIMULATED_STEPS` steps of the
+  step's program from a trainer just built, under the modelled timing
+  (`plan.simulate`: fetches as early as the slot rules allow, gradients and sent
+  checkpoints leaving as late as the step allows). XLA's scratch inside one call
+  (e.g. a chunk of logits) is not in it. With activations in host memory and
+  `device_checkpoints=None`, the last groups' inputs stay on the device as far as
+  the peak with only the last one kept allows. Extra start buffers
   (`EngineConfig.step_start_buffers`) are granted to as many of a micro-batch's
   first fetches as keep the peak where it is without them, and only with prefetch
-  (`prefetch_depth` > 0). `activations="auto"`
-  is resolved by `resolve_activations` against the budget or the accelerator. On
-  the CPU backend, with recompute "dots" or "none" and the checkpoints on the
-  device, every layer's buffers stay on the device between steps
-  (`pool.BufferPool`).
+  (`prefetch_depth` > 0). `activations="auto"` is resolved by
+  `resolve_activations` against the budget or the accelerator. On the CPU backend,
+  with recompute "dots" or "none" and the checkpoints on the device, every layer's
+  buffers stay on the device between steps (`pool.BufferPool`).
 
   Args:
     cfg: the model.
@@ -172,6 +249,11 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
     batch_size: sequences per step (split into `ec.grad_accum` micro-batches).
     seq_len: tokens per sequence.
     platform: the JAX platform the step runs on (None: this process's).
+    deferred: updates wait for the whole sweep (a transform that needs the whole
+      tree); None: only with `nonfinite="skip"`.
+    trains: whether each unit has a gradient (None: every unit).
+    packed: the batches carry packed-document ids, which can change what a layer
+      keeps (None: the larger of both).
 
   Returns:
     The `StepPlan`.
@@ -185,7 +267,10 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   # pinned bytes before `jax.distributed.initialize` starts no backend.
   pooled = sizes.pools_buffers(ec.recompute, ec.activations, "cpu") and (
       platform or ("cpu" if on_cpu_backend() else "gpu")) == "cpu"
-  return _step_plan(cfg, ec, batch_size, seq_len, pooled)
+  deferred = ec.nonfinite == "skip" if deferred is None else deferred or ec.nonfinite == "skip"
+  return _step_plan(cfg, ec, batch_size, seq_len, pooled, deferred,
+                    None if trains is None or all(trains) else tuple(trains),
+                    None if ec.recompute == "full" else packed)
 
 
 def resolve_activations(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int,
@@ -222,40 +307,60 @@ def _auto(cfg, ec, batch_size, seq_len) -> str:
 
 
 @functools.lru_cache(maxsize=512)
-def _step_plan(cfg, ec, batch_size, seq_len, pooled) -> StepPlan:
-  act = sizes.activation_bytes(cfg, ec, batch_size, seq_len)
-  ck = sizes.checkpoint_bytes(cfg, ec, batch_size, seq_len)
-  base = Schedule.build(cfg, ec)
-  unit, grad = sizes.unit_param_bytes(cfg, ec), sizes.unit_grad_bytes(cfg, ec)
-  run = lambda sched: replay(unit, grad, ec.activations, sched, act, ck, pooled,
-                             updates_follow=ec.grad_accum == 1)
-  total = lambda sched: run(sched)["total"]
-  peak = run(base)
+def _step_plan(cfg, ec, batch_size, seq_len, pooled, deferred, trains, packed) -> StepPlan:
+  b = sizes.step_bytes(cfg, ec, batch_size, seq_len, trains, packed)
+  base = StepPlan(Schedule.build(cfg, ec), {}, ec.activations, 0, b, ec.prefetch_depth,
+                  ec.grad_accum, deferred, ec.recompute != "full", pooled, trains,
+                  sizes.layer_structures(cfg))
+  with_schedule = lambda **kw: dataclasses.replace(
+      base, schedule=dataclasses.replace(base.schedule, **kw))
+  total = lambda plan: plan.simulate().peak["total"]
+  peak = total(base)
   if ec.activations == "host" and ec.device_checkpoints is None:
     # Keep on the device the most last groups' inputs that leave the peak as it is
     # with only the last one kept: each one kept is a checkpoint the link does not
     # carry twice. (The peak grows with the number kept, so bisect.)
-    kept = largest_fitting(lambda k: total(dataclasses.replace(
-        base, device_checkpoints=k)) <= peak["total"], 1, len(base.groups))
-    base = dataclasses.replace(base, device_checkpoints=kept)
-    peak = run(base)  # the same total, by the parts of this schedule
-  host_ckpts = len(base.host_groups()) * ck if ec.activations == "host" else 0
-  plan = lambda sched: StepPlan(sched, peak, ec.activations, host_ckpts)
-  forward = sum(1 for u in base.fetch_order[:cfg.n_layers + 1]
-                if u not in base.resident_units())
+    kept = largest_fitting(lambda k: total(with_schedule(device_checkpoints=k)) <= peak,
+                           1, len(base.schedule.groups))
+    base = with_schedule(device_checkpoints=kept)
+  forward = sum(1 for u in base.schedule.fetch_order[:cfg.n_layers + 1]
+                if u not in base.schedule.resident_units())
   # Without prefetch (depth 0) every fetch waits for the previous unit's compute:
   # a start buffer would let the forward's fetches run one unit ahead.
   extras = ec.step_start_buffers if ec.prefetch_depth else 0
   for extra in range(extras, 0, -1):
-    n = largest_fitting(lambda n: total(dataclasses.replace(
-        base, start_buffers=extra, start_positions=n)) <= peak["total"], 0, forward)
+    n = largest_fitting(lambda n: total(with_schedule(
+        start_buffers=extra, start_positions=n)) <= peak, 0, forward)
     if n:
-      return plan(dataclasses.replace(base, start_buffers=extra, start_positions=n))
-  return plan(base)
+      base = with_schedule(start_buffers=extra, start_positions=n)
+      break
+  host_ckpts = sum(b.ckpt[g] for g in base.sent_groups)
+  return dataclasses.replace(base, peak=base.simulate().peak, host_checkpoint_bytes=host_ckpts)
+
+
+def largest_fitting(fits, lo: int, hi: int) -> int:
+  """The largest n in [lo, hi] with fits(n), by bisection.
+
+  Args:
+    fits: a predicate true up to some n and false after it.
+    lo: a value it holds for.
+    hi: the largest value to try.
+
+  Returns:
+    That n.
+  """
+  if lo < hi and fits(hi):  # often all of it fits (start buffers far from the peak)
+    return hi
+  hi -= 1
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+  return lo
 
 
 def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
-                 seq_len: int, platform: str | None = None) -> dict[str, int]:
+                 seq_len: int, platform: str | None = None,
+                 deferred: bool | None = None) -> dict[str, int]:
   """Device bytes of a step on batches of this shape, by kind, and their total:
   the ledger's peak (`step_plan`) plus one chunk of fp32 logits with its gradient,
   which lives inside the head's call, and one layer's backward scratch
@@ -268,11 +373,13 @@ def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
     seq_len: tokens per sequence.
     platform: the platform the attention kernel is chosen for (None: this
       process's).
+    deferred: as `step_plan`.
 
   Returns:
     Bytes by kind and "total".
   """
-  out = {k: v for k, v in step_plan(cfg, ec, batch_size, seq_len, platform).peak.items()
+  out = {k: v for k, v in step_plan(cfg, ec, batch_size, seq_len, platform,
+                                          deferred).peak.items()
          if k != "total"}
   b = batch_size // ec.grad_accum
   chunk = ec.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size, b * seq_len)

@@ -126,8 +126,17 @@ class Schedule:
       `slots`, plus `start_buffers` for the first `start_positions` positions; at
       a fused tail's fetches at least what its call holds (`tail_needs`).
     """
-    start = self.start_buffers if position < self.start_positions else 0
-    return max(self.slots + start, self.tail_needs.get(position, 0))
+    return self.limits[position] if position < len(self.limits) else self.slots
+
+  @functools.cached_property
+  def limits(self) -> tuple[int, ...]:
+    """`limit` of every position of `fetch_order`.
+
+    Returns:
+      One limit per position.
+    """
+    return tuple(max(self.slots + (self.start_buffers if q < self.start_positions else 0),
+                     self.tail_needs.get(q, 0)) for q in range(len(self.fetch_order)))
 
   @functools.cached_property
   def tail_needs(self) -> dict[int, int]:

@@ -9,6 +9,7 @@ nothing is allocated.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -159,11 +160,49 @@ def kept_bytes(cfg: LlamaConfig, layer: int, recompute: str, batch: int, seq_len
   return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(out))
 
 
+@functools.lru_cache(maxsize=64)
+def layer_structures(cfg: LlamaConfig) -> tuple[int, ...]:
+  """Each layer's structure (its parameter layout and attention window), named by
+  the first layer like it.
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    One index per layer.
+  """
+  first: dict[Any, int] = {}
+  return tuple(first.setdefault((FlatSpec(unit), cfg.layer_window(i)), i)
+               for i, unit in enumerate(llama.abstract_units(cfg)[1:-1]))
+
+
+def layer_checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
+                           seq_len: int, packed: bool | None = None) -> tuple[int, ...]:
+  """Bytes of each layer's activation checkpoint: its input, plus with recompute
+  "dots" or "none" the residuals it keeps.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    packed: the batches carry packed-document ids (None: the larger of both).
+
+  Returns:
+    One size per layer.
+  """
+  b = batch_size // ec.grad_accum
+  act = activation_bytes(cfg, ec, batch_size, seq_len)
+  kinds = (False, True) if packed is None else (packed,)
+  kept = {i: max(kept_bytes(cfg, i, ec.recompute, b, seq_len, ec.dtype_name, p)
+                 for p in kinds)
+          for i in set(layer_structures(cfg))}
+  return tuple(act + kept[i] for i in layer_structures(cfg))
+
+
 def checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
                      seq_len: int) -> int:
-  """Bytes of one activation checkpoint: the block input, plus with recompute "dots"
-  or "none" the residuals the layer keeps (a bound: the largest over the layer
-  structures, with or without packed-document ids).
+  """Bytes of the largest activation checkpoint (`layer_checkpoint_bytes`).
 
   Args:
     cfg: the model.
@@ -174,15 +213,8 @@ def checkpoint_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   Returns:
     The bytes.
   """
-  b = batch_size // ec.grad_accum
-  first = {}  # one layer per structure (its parameter shapes and window)
-  for i, unit in enumerate(llama.abstract_units(cfg)[1:-1]):
-    first.setdefault((FlatSpec(unit), cfg.layer_window(i)), i)
-  # Traced for one sequence and scaled: every residual but a few small ones (rotary
-  # tables, broadcast norm scales) has the batch dimension, so this bounds it.
-  kept = max((b * kept_bytes(cfg, i, ec.recompute, 1, seq_len, ec.dtype_name, packed)
-              for i in first.values() for packed in (False, True)), default=0)
-  return b * seq_len * cfg.d_model * jnp.dtype(ec.compute_dtype).itemsize + kept
+  return max(layer_checkpoint_bytes(cfg, ec, batch_size, seq_len),
+             default=activation_bytes(cfg, ec, batch_size, seq_len))
 
 
 def pools_buffers(recompute: str, activations: str, platform: str) -> bool:
@@ -199,3 +231,45 @@ def pools_buffers(recompute: str, activations: str, platform: str) -> bool:
     The answer.
   """
   return recompute != "full" and activations == "device" and platform == "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBytes:
+  """The byte rules of one batch shape (`plan.sizes`).
+
+  Attributes:
+    unit: each unit's bytes as fetched.
+    grad: each unit's gradient bytes as it leaves the device (0: it does not train).
+    tied_grad: the head's gradient for a tied embedding.
+    act: one activation (a block's input or output, or its gradient).
+    ckpt: each layer's checkpoint: its input, with the residuals it keeps.
+  """
+  unit: tuple[int, ...]
+  grad: tuple[int, ...]
+  tied_grad: int
+  act: int
+  ckpt: tuple[int, ...]
+
+
+def step_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int,
+               trains: tuple[bool, ...] | None = None, packed: bool | None = None
+               ) -> StepBytes:
+  """The byte rules of a batch shape.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    batch_size: sequences per step.
+    seq_len: tokens per sequence.
+    trains: whether each unit has a gradient (default: every unit).
+    packed: as `layer_checkpoint_bytes`.
+
+  Returns:
+    The `StepBytes`.
+  """
+  unit = unit_param_bytes(cfg, ec)
+  grad = [g if trains is None or trains[u] else 0
+          for u, g in enumerate(unit_grad_bytes(cfg, ec))]
+  return StepBytes(tuple(unit), tuple(grad), unit[0] if cfg.tie_embeddings else 0,
+                   activation_bytes(cfg, ec, batch_size, seq_len),
+                   layer_checkpoint_bytes(cfg, ec, batch_size, seq_len, packed))

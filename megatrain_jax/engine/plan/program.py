@@ -1,0 +1,428 @@
+"""A step as one ordered list of typed operations: what the trainer's thread does.
+
+`step_program(schedule, ...)` turns a batch shape's `Schedule` into the operations
+of one step, in the order the trainer's thread runs them: for each micro-batch its
+fetches taken, the forward, the checkpoints kept or sent, the head, the backward
+group by group, each gradient sent, each buffer released; then the step's verdict
+and the end of its fetches. The executor (`engine.execute`) runs the list; the
+simulation (`plan.simulate`) replays the same list to find the device peak; the
+planner counts template calls, link bytes and recomputed layers from it.
+
+Each operation says what it adds to and frees from device memory (`effects`), as
+ledger keys with the bytes the byte rules give (`StepBytes`); the executor applies
+the same effects with the bytes of the arrays it made. What other threads do
+(fetches ahead, gradients leaving, checkpoints moving, buffers reclaimed) follows
+from the operations that start it or wait for it (see `plan.simulate`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from megatrain_jax.engine.device.ledger import Key
+from megatrain_jax.engine.plan.schedule import Schedule
+from megatrain_jax.engine.plan.sizes import StepBytes
+
+Effect = tuple[Key, "int | None"]  # (key, bytes added) or (key, None): freed
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+  """One operation of a step; `m` is its micro-batch."""
+  m: int
+
+  def effects(self, b: StepBytes) -> tuple[Effect, ...]:
+    """What this operation adds to and frees from device memory.
+
+    Args:
+      b: the byte rules.
+
+    Returns:
+      (key, bytes) added, (key, None) freed, in order.
+    """
+    del b
+    return ()
+
+
+# -- fetches ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class StartFetches(Op):
+  """Queue a micro-batch's fetches: this step's, or with `ahead` the next step's
+  (behind the last micro-batch's, so the link keeps working through its tail)."""
+  ahead: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Take(Op):
+  """Take a unit's buffer from the prefetcher (fetched now without prefetch)."""
+  unit: int
+  position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class UseResident(Op):
+  """Use a unit kept on the device, once its update is done."""
+  unit: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Release(Op):
+  """The compute that used a unit's buffer frees it once it is done."""
+  unit: int
+  position: int
+
+
+@dataclasses.dataclass(frozen=True)
+class JobDone(Op):
+  """No activation of the micro-batch is left: later jobs may use start buffers."""
+
+
+# -- forward ---------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class EmbedForward(Op):
+  """The embedding's forward: the running activation appears."""
+
+  def effects(self, b):
+    return ((("act", self.m, "x"), b.act),)
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint(Op):
+  """Keep a group's input (with `keep` residuals, the layer's whole checkpoint) on
+  the device, or with `host` send it to host memory (counted until it has left)."""
+  group: int
+  layer: int
+  host: bool = False
+
+  def effects(self, b):
+    return ((("ckpt", self.m, self.group), b.ckpt[self.layer]),)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockForward(Op):
+  """A layer's forward; with `keep` it returns the residuals its backward needs,
+  written into pooled buffers with `pooled`."""
+  layer: int
+  keep: bool = False
+  pooled: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Flush(Op):
+  """Wait until every checkpoint sent has arrived in host memory."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Head(Op):
+  """Final norm, LM head and loss, value and gradient; with `fused` the last layer's
+  forward and backward too."""
+  head: int
+  last_layer: int | None = None  # its unit, when fused
+  tied: bool = False
+  last_trains: bool = True  # the fused layer has a gradient
+
+  def effects(self, b):
+    out = [(("act", self.m, "g"), b.act)]
+    if self.tied:
+      out.append((("tied_grad", self.m), b.tied_grad))
+    out.append((("grad", self.m, self.head), b.grad[self.head]))
+    if self.last_layer is not None and self.last_trains:
+      out.append((("grad", self.m, self.last_layer), b.grad[self.last_layer]))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class SendGradient(Op):
+  """Hand a unit's gradient to the link (it leaves as the queue allows)."""
+  unit: int
+
+
+# -- backward --------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Reload(Op):
+  """Start bringing a group's input back from host memory."""
+  group: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Restore(Op):
+  """Take a group's input for its backward (from the device, or brought back)."""
+  group: int
+  host: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Recompute(Op):
+  """Recompute the input of the `j + 1`-th layer of a group from the one before."""
+  layer: int
+  j: int
+
+  def effects(self, b):
+    return ((("act", self.m, "recompute", self.j), b.act),)
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockBackward(Op):
+  """A layer's backward (its forward recomputed inside, or from kept residuals);
+  its gradient appears, and its input's recomputed copy goes. With `pooled` its
+  checkpoint's buffers go to the pool for the next forward of its shapes."""
+  layer: int
+  j: int
+  group: int
+  kept: bool = False
+  pooled: bool = False
+  trains: bool = True
+
+  def effects(self, b):
+    out = []
+    if self.trains:
+      out.append((("grad", self.m, 1 + self.layer), b.grad[1 + self.layer]))
+    out.append((("act", self.m, "recompute", self.j), None))
+    if self.pooled:
+      out.append((("ckpt", self.m, self.group), None))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class DropCheckpoint(Op):
+  """A group's backward is done: its input goes."""
+  group: int
+
+  def effects(self, b):
+    return ((("ckpt", self.m, self.group), None),)
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbedBackward(Op):
+  """The embedding's gradient (the head's part added when tied); the running
+  activation and gradient go."""
+  trains: bool = True
+
+  def effects(self, b):
+    out = [(("act", self.m, "x"), None), (("act", self.m, "g"), None),
+           (("tied_grad", self.m), None)]
+    if self.trains:
+      out.append((("grad", self.m, 0), b.grad[0]))
+    return tuple(out)
+
+
+# -- the step's end --------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Settle(Op):
+  """The step's verdict: its first update (per unit), or every gradient and then
+  the whole update (`deferred`); without `update`, every gradient on the host."""
+  update: bool = True
+  deferred: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Drain(Op):
+  """Free every buffer the compute has released."""
+
+
+# Operations that run a template (one jitted call each), for the planner.
+TEMPLATE_CALLS = (EmbedForward, BlockForward, Head, Recompute, BlockBackward, EmbedBackward)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepProgram:
+  """The operations of one step, and what they were made from.
+
+  Attributes:
+    ops: in the order the trainer's thread runs them.
+    schedule: the batch shape's schedule.
+    grad_accum: micro-batches.
+  """
+  ops: tuple[Op, ...]
+  schedule: Schedule
+  grad_accum: int
+
+  def count(self, *types: type) -> int:
+    """Operations of these types.
+
+    Args:
+      *types: operation classes.
+
+    Returns:
+      How many the step runs.
+    """
+    return sum(isinstance(op, types) for op in self.ops)
+
+  def template_calls(self) -> int:
+    """Jitted calls a step makes.
+
+    Returns:
+      Its operations that run a template.
+    """
+    return self.count(*TEMPLATE_CALLS)
+
+  def fetched_units(self) -> list[int]:
+    """Units a step fetches, once per fetch.
+
+    Returns:
+      The unit of every `Take`, in order.
+    """
+    return [op.unit for op in self.ops if isinstance(op, Take)]
+
+  def sent_units(self) -> list[int]:
+    """Units whose gradient a step sends to the host, once per micro-batch.
+
+    Returns:
+      The unit of every `SendGradient`, in order.
+    """
+    return [op.unit for op in self.ops if isinstance(op, SendGradient)]
+
+  def reloads(self) -> int:
+    """Checkpoints a step brings back from host memory (as many as it sends).
+
+    Returns:
+      The number of `Reload`s.
+    """
+    return self.count(Reload)
+
+  def forwards_recomputed(self) -> int:
+    """Layer forwards a step runs again for its backward: a group's recomputed
+    inputs, and each full-recompute backward's own forward.
+
+    Returns:
+      Their number, over every micro-batch.
+    """
+    return self.count(Recompute) + sum(isinstance(op, BlockBackward) and not op.kept
+                                       for op in self.ops)
+
+
+def micro_ops(s: Schedule, m: int, *, last: bool, started: bool, host_groups=(),
+              keep: bool = False, pooled: bool = False, trains=None) -> list[Op]:
+  """One micro-batch's operations.
+
+  Args:
+    s: the schedule.
+    m: the micro-batch's index.
+    last: it is the step's last and the step updates: the next step's fetches are
+      queued behind its own.
+    started: its fetches were queued already (by the step before).
+    host_groups: groups whose input goes to host memory.
+    keep: every layer keeps its residuals (recompute "dots" or "none").
+    pooled: kept residuals reuse pooled buffers (`sizes.pools_buffers`).
+    trains: `trains[u]`, whether unit u has a gradient (default: every unit).
+
+  Returns:
+    The operations, in order.
+  """
+  trains = trains or (True,) * s.n_units
+  L, head = s.n_layers, s.head
+  resident = set(s.resident_units())
+  pos = iter(range(len(s.fetch_order)))
+  ops: list[Op] = []
+  if not started:
+    ops.append(StartFetches(m))
+  if last:
+    ops.append(StartFetches(m, ahead=True))
+
+  def take(u: int) -> Op | None:
+    if u in resident:
+      ops.append(UseResident(m, u))
+      return None
+    op = Take(m, u, next(pos))
+    ops.append(op)
+    return op
+
+  def release(t: Op | None) -> None:
+    if t is not None:
+      ops.append(Release(m, t.unit, t.position))
+
+  def send(u: int) -> None:
+    if trains[u]:
+      ops.append(SendGradient(m, u))
+
+  starts = {a for a, _ in s.groups}
+  sent = set(host_groups)
+  t = take(s.embed)
+  ops.append(EmbedForward(m))
+  release(t)
+  held = None
+  for i in range(L):
+    if s.fused_tail and i == L - 1:  # its input stays the running activation
+      held = take(1 + i)
+      break
+    if i in starts and not keep:
+      ops.append(Checkpoint(m, i, i, host=i in sent))
+    t = take(1 + i)
+    ops.append(BlockForward(m, i, keep=keep, pooled=pooled))
+    if keep:
+      ops.append(Checkpoint(m, i, i, host=i in sent))
+    release(t)
+  if sent:
+    ops.append(Flush(m))
+  t_head = take(head)
+  t_embed = take(s.embed) if s.tied else None
+  ops.append(Head(m, head, last_layer=L if held is not None else None, tied=s.tied,
+                  last_trains=trains[L] if held is not None else True))
+  release(held)
+  release(t_head)
+  release(t_embed)
+  send(head)
+  backward = list(reversed(s.groups))
+  layer0 = False  # layer 0's gradient waits for the embedding's to leave first
+  if held is not None:
+    g, _ = backward.pop(0)
+    if backward and backward[0][0] in sent:
+      ops.append(Reload(m, backward[0][0]))
+    if g:
+      send(1 + g)
+    else:
+      layer0 = True
+  for gi, (a, e) in enumerate(backward):
+    if gi + 1 < len(backward) and backward[gi + 1][0] in sent:
+      ops.append(Reload(m, backward[gi + 1][0]))
+    taken = [take(1 + i) for i in range(a, e)]
+    ops.append(Restore(m, a, host=a in sent))
+    for j in range(e - a - 1):
+      ops.append(Recompute(m, a + j, j))
+    for j in reversed(range(e - a)):
+      ops.append(BlockBackward(m, a + j, j, a, kept=keep, pooled=pooled,
+                               trains=trains[1 + a + j]))
+      release(taken[j])
+      if a + j:
+        send(1 + a + j)
+      else:
+        layer0 = True
+    if not pooled:
+      ops.append(DropCheckpoint(m, a))
+  ops.append(EmbedBackward(m, trains=trains[0]))
+  send(s.embed)
+  if layer0:
+    send(1)
+  ops.append(JobDone(m))
+  return ops
+
+
+def step_program(s: Schedule, grad_accum: int, *, update: bool = True,
+                 started: bool = True, deferred: bool = False, host_groups=(),
+                 keep: bool = False, pooled: bool = False, trains=None) -> StepProgram:
+  """Every operation of one step.
+
+  Args:
+    s: the batch shape's schedule.
+    grad_accum: micro-batches.
+    update: the step updates (else its gradients are only gathered on the host).
+    started: its first micro-batch's fetches were queued by the step before.
+    deferred: updates wait for the whole sweep (whole-tree or clipped transforms,
+      or `nonfinite="skip"`).
+    host_groups: groups whose input goes to host memory.
+    keep: every layer keeps its residuals.
+    pooled: kept residuals reuse pooled buffers.
+    trains: `trains[u]`, whether unit u has a gradient (default: every unit).
+
+  Returns:
+    The `StepProgram`.
+  """
+  ops: list[Op] = []
+  for m in range(grad_accum):
+    ops += micro_ops(s, m, last=update and m == grad_accum - 1, started=started and m == 0,
+                     host_groups=host_groups, keep=keep, pooled=pooled, trains=trains)
+  ops += [Settle(grad_accum, update=update, deferred=deferred), Drain(grad_accum)]
+  return StepProgram(tuple(ops), s, grad_accum)
