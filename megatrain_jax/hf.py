@@ -32,6 +32,8 @@ from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig
 from megatrain_jax.models.llama import Llama, Params
 from megatrain_jax.hf_config import (ARCHITECTURES, NO_MATH_KEYS, config_from_hf,
                                      hf_config, read_config)
+from megatrain_jax.hf_names import (block_tensor_names, set_leaf, stack_slices, tree_get,
+                                    unit_names)
 from megatrain_jax.resident import ResidentTrainer
 from megatrain_jax.safetensors_reader import TensorInfo, checkpoint_tensors, read_tensor
 
@@ -40,106 +42,13 @@ __all__ = ["ARCHITECTURES", "NO_MATH_KEYS", "block_tensor_names", "check_checkpo
            "save_pretrained", "streaming_trainer", "tree_get"]
 
 
-# -- tensor names -----------------------------------------------------------------
-
-def block_tensor_names(i: int, cfg: LlamaConfig, architecture: str | None = None
-                       ) -> dict[str, tuple[tuple[Any, ...], bool]]:
-  """How one layer's Hugging Face tensors map onto our block tree.
-
-  Args:
-    i: the layer (0-based).
-    cfg: the model (q/k/v biases or not, experts or not).
-    architecture: names an MoE layer's tensors as Mixtral does
-      (`block_sparse_moe.experts.E.w1`) when "mixtral", else as Qwen-MoE does
-      (`mlp.experts.E.gate_proj`).
-
-  Returns:
-    HF tensor name -> (path in our block tree, whether it is stored transposed). A
-    path ending in an int names one expert's slice of a stacked [E, ...] leaf.
-  """
-  pre = f"model.layers.{i}."
-  names = {pre + "input_layernorm.weight": (("attn_norm", "scale"), False),
-           pre + "post_attention_layernorm.weight": (("mlp_norm", "scale"), False)}
-  for ours, theirs in (("q", "q_proj"), ("k", "k_proj"), ("v", "v_proj"), ("o", "o_proj")):
-    names[f"{pre}self_attn.{theirs}.weight"] = (("attn", ours, "kernel"), True)
-    if cfg.qkv_bias and ours != "o":
-      names[f"{pre}self_attn.{theirs}.bias"] = (("attn", ours, "bias"), False)
-  if cfg.qk_norm:
-    for ours in ("q_norm", "k_norm"):
-      names[f"{pre}self_attn.{ours}.weight"] = (("attn", ours, "scale"), False)
-  if not cfg.layer_is_moe(i):
-    for ours in ("gate", "up", "down"):
-      names[f"{pre}mlp.{ours}_proj.weight"] = (("mlp", ours, "kernel"), True)
-    return names
-  mixtral = architecture == "mixtral"
-  moe = pre + ("block_sparse_moe." if mixtral else "mlp.")
-  names[moe + "gate.weight"] = (("mlp", "router", "kernel"), True)
-  theirs = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {
-      "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
-  for e in range(cfg.n_experts):
-    for ours, name in theirs.items():
-      names[f"{moe}experts.{e}.{name}.weight"] = (("mlp", "experts", ours, "kernel", e), True)
-  if cfg.shared_expert_d_ff:
-    for ours in ("gate", "up", "down"):
-      names[f"{moe}shared_expert.{ours}_proj.weight"] = (("mlp", "shared", ours, "kernel"),
-                                                         True)
-    names[moe + "shared_expert_gate.weight"] = (("mlp", "shared_gate", "kernel"), True)
-  return names
-
-
-def _unit_names(cfg: LlamaConfig, architecture: str | None = None
-                ) -> list[dict[str, tuple[tuple[Any, ...], bool]]]:
-  embed = {"model.embed_tokens.weight": (("embedding",), False)}
-  head = {"model.norm.weight": (("final_norm", "scale"), False)}
-  if not cfg.tie_embeddings:
-    head["lm_head.weight"] = (("lm_head", "kernel"), True)
-  return ([embed] + [block_tensor_names(i, cfg, architecture) for i in range(cfg.n_layers)]
-          + [head])
-
-
-def _set(tree: dict, path: tuple[Any, ...], value, stack: int) -> None:
-  """Sets a leaf, or (a path ending in an int) one of `stack` slices of a leaf."""
-  *keys, last = path
-  if isinstance(last, int):
-    *keys, leaf = keys
-    for k in keys:
-      tree = tree.setdefault(k, {})
-    tree.setdefault(leaf, [None] * stack)[last] = value
-    return
-  for k in keys:
-    tree = tree.setdefault(k, {})
-  tree[last] = value
-
-
-def _stack(tree):
-  """The tree with every list of slices `_set` built stacked into one array."""
-  if isinstance(tree, list):
-    return np.stack(tree)
-  return {k: _stack(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
-
-
-def tree_get(tree: dict, path: tuple[Any, ...]):
-  """The leaf at a path of a nested dict.
-
-  Args:
-    tree: the dict.
-    path: keys, outermost first; a final int indexes the leaf's first axis.
-
-  Returns:
-    The leaf (or its slice).
-  """
-  for k in path:
-    tree = tree[k]
-  return tree
-
-
 # -- reading ----------------------------------------------------------------------
 
 def _expected_shapes(cfg: LlamaConfig, architecture: str | None
                      ) -> list[dict[str, tuple[int, ...]]]:
   """For each unit, HF tensor name -> the shape config.json implies for it."""
   out = []
-  for tree, names in zip(llama.abstract_units(cfg), _unit_names(cfg, architecture),
+  for tree, names in zip(llama.abstract_units(cfg), unit_names(cfg, architecture),
                          strict=True):
     shapes = {}
     for name, (path, transpose) in names.items():
@@ -234,12 +143,12 @@ def load_units(local_dir: str, cfg: LlamaConfig | None = None,
   found = check_checkpoint(local_dir, cfg, architecture)
 
   def units():
-    for names in _unit_names(cfg, architecture):
+    for names in unit_names(cfg, architecture):
       tree: dict = {}
       for name, (path, transpose) in names.items():
         x = read_tensor(found[name])
-        _set(tree, path, np.ascontiguousarray(x.T) if transpose else x, cfg.n_experts)
-      yield _stack(tree)
+        set_leaf(tree, path, np.ascontiguousarray(x.T) if transpose else x, cfg.n_experts)
+      yield stack_slices(tree)
 
   return units()
 
@@ -356,7 +265,7 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     current.clear()
     size = 0
 
-  names_of = _unit_names(cfg, config["model_type"])
+  names_of = unit_names(cfg, config["model_type"])
   for names, tree in zip(names_of, _unit_trees(model_or_trainer), strict=True):
     for name, (path, transpose) in names.items():
       x = np.asarray(tree_get(tree, path), np.float32)

@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any, Callable
 
+from megatrain_jax.hf_moe import MOE_KEYS, moe_from_hf, moe_to_hf
 from megatrain_jax.models.config import LAYER_TYPES, LlamaConfig
 from megatrain_jax.models.rope import RopeScaling
 
@@ -22,7 +23,6 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
 # What each architecture's attention is like: the dense family it shares it with.
 FAMILY = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "mistral": "mistral",
           "mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3"}
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 # config.json keys that describe tokens, caching, training-time init or bookkeeping.
 NO_MATH_KEYS = frozenset({
@@ -187,91 +187,11 @@ def _windows_to_hf(cfg: LlamaConfig, arch: str) -> dict[str, Any]:
           "layer_types": ["sliding_attention" if x else "full_attention" for x in sliding]}
 
 
-_MOE_KEYS = frozenset({
-    "num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
-    "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-    "mlp_only_layers", "router_aux_loss_coef", "output_router_logits",
-    "router_jitter_noise", "qkv_bias"})
-
-
-def _moe_from_hf(hf: dict[str, Any], arch: str | None) -> tuple[dict[str, Any], list[str]]:
-  """The MoE fields of `LlamaConfig` (and qkv_bias), and problems, as transformers
-  builds the layers: Mixtral's every layer is MoE with width intermediate_size and
-  renormalized top-k; Qwen2-MoE and Qwen3-MoE make layer i MoE unless it is in
-  `mlp_only_layers` or (i + 1) is not a multiple of `decoder_sparse_step`. The
-  load-balancing loss is in the training loss only with `output_router_logits`."""
-  present = sorted(k for k in _MOE_KEYS if k in hf and k != "qkv_bias")
-  if arch not in MOE_ARCHITECTURES:
-    problems = [f"{k}={hf[k]!r}: {arch} has no mixture-of-experts layers" for k in present]
-    if "qkv_bias" in hf:
-      problems.append(f"qkv_bias={hf['qkv_bias']!r}: unknown key for {arch}")
-    return {}, problems
-  n = hf.get("num_hidden_layers", 0)
-  experts = hf.get("num_local_experts", hf.get("num_experts", 8))
-  out: dict[str, Any] = {"n_experts": experts,
-                         "n_experts_per_tok": hf.get("num_experts_per_tok", 2)}
-  problems = []
-  if hf.get("router_jitter_noise"):
-    problems.append(f"router_jitter_noise={hf['router_jitter_noise']!r}: router jitter "
-                    "noise is not implemented")
-  coef = float(hf.get("router_aux_loss_coef", 0.0) or 0.0)
-  out["router_aux_loss_coef"] = coef if hf.get("output_router_logits") else 0.0
-  if arch == "mixtral":
-    out["norm_topk_prob"] = True
-    return out, problems
-  out["moe_d_ff"] = hf.get("moe_intermediate_size")
-  out["norm_topk_prob"] = bool(hf.get("norm_topk_prob", False))
-  step, dense = hf.get("decoder_sparse_step", 1), set(hf.get("mlp_only_layers") or [])
-  moe_layers = tuple(i not in dense and experts > 0 and (i + 1) % step == 0
-                     for i in range(n))
-  out["moe_layers"] = None if all(moe_layers) else moe_layers
-  if not any(moe_layers):
-    out.update(n_experts=0, moe_layers=None)
-  if arch == "qwen2_moe":
-    shared = hf.get("shared_expert_intermediate_size")
-    out["shared_expert_d_ff"] = shared or None
-    out["qkv_bias"] = bool(hf.get("qkv_bias", True))
-  elif hf.get("shared_expert_intermediate_size"):
-    problems.append("shared_expert_intermediate_size: Qwen3-MoE has no shared expert")
-  return out, problems
-
-
-def _moe_to_hf(cfg: LlamaConfig, arch: str, extra: dict[str, Any]) -> dict[str, Any]:
-  """config.json's MoE keys for `arch` (what it cannot hold refused)."""
-  if arch not in MOE_ARCHITECTURES:
-    if cfg.n_experts:
-      raise ValueError(f"A mixture-of-experts model cannot be written as {arch}: write "
-                       f"it as one of {list(MOE_ARCHITECTURES)}.")
-    return {}
-  moe = [cfg.layer_is_moe(i) for i in range(cfg.n_layers)]
-  coef = cfg.router_aux_loss_coef
-  out: dict[str, Any] = {
-      "num_experts_per_tok": cfg.n_experts_per_tok, "output_router_logits": coef > 0,
-      "router_aux_loss_coef": coef or extra.get("router_aux_loss_coef", 0.001)}
-  if arch == "mixtral":
-    if not all(moe) or not cfg.norm_topk_prob or cfg.moe_d_ff not in (None, cfg.d_ff) \
-        or cfg.shared_expert_d_ff:
-      raise ValueError("Mixtral's layers are all MoE, of width intermediate_size, with "
-                       "renormalized top-k weights and no shared expert: this model is "
-                       "not (write it as qwen2_moe or qwen3_moe).")
-    return {**out, "num_local_experts": cfg.n_experts, "router_jitter_noise": 0.0}
-  if bool(cfg.shared_expert_d_ff) != (arch == "qwen2_moe"):
-    raise ValueError(f"shared_expert_d_ff={cfg.shared_expert_d_ff} cannot be written as "
-                     f"{arch}: only Qwen2-MoE has (and needs) a shared expert.")
-  out.update({"num_experts": cfg.n_experts, "moe_intermediate_size": cfg.expert_d_ff,
-              "norm_topk_prob": cfg.norm_topk_prob, "decoder_sparse_step": 1,
-              "mlp_only_layers": [i for i, m in enumerate(moe) if not m]})
-  if arch == "qwen2_moe":
-    out.update(shared_expert_intermediate_size=cfg.shared_expert_d_ff,
-               qkv_bias=cfg.qkv_bias)
-  return out
-
-
 # Read apart: the rotary settings (`_rope_from_hf`), the head width, the windows and
 # the experts.
 _SPECIAL = frozenset({"rope_theta", "rope_parameters", "rope_scaling", "head_dim",
                       "sliding_window", "use_sliding_window", "max_window_layers",
-                      "layer_types"}) | _MOE_KEYS
+                      "layer_types"}) | MOE_KEYS
 
 _MAPPED = {"vocab_size": "vocab_size", "hidden_size": "d_model",
            "num_hidden_layers": "n_layers", "num_attention_heads": "n_heads",
@@ -302,7 +222,7 @@ def config_from_hf(hf: dict[str, Any]) -> tuple[LlamaConfig, str]:
                     f"{sorted(ARCHITECTURES)} are implemented")
   theta, scaling, rope_problems = _rope_from_hf(hf)
   window, layer_types, window_problems = _windows_from_hf(hf, arch)
-  moe_kw, moe_problems = _moe_from_hf(hf, arch)
+  moe_kw, moe_problems = moe_from_hf(hf, arch)
   problems += rope_problems + window_problems + moe_problems
   for key, value in hf.items():
     if key in _MAPPED or key in NO_MATH_KEYS or key in _SPECIAL:
@@ -405,7 +325,7 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
   if arch == "llama":
     out.update(attention_bias=False, mlp_bias=False, pretraining_tp=1)
   out.update(_windows_to_hf(cfg, arch))
-  out.update(_moe_to_hf(cfg, arch, extra or {}))
+  out.update(moe_to_hf(cfg, arch, extra or {}))
   if family == "qwen3":
     out.update(attention_bias=False)
   for k, v in (extra or {}).items():

@@ -13,7 +13,9 @@ import optax
 from megatrain_jax.engine.host.state import Snapshot, static_snapshot
 from megatrain_jax.models.batch import check_batch
 from megatrain_jax.models.llama import Llama
+from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.loss import model_loss
+from megatrain_jax.models.trainable import Filter
 
 
 class ResidentTrainer:
@@ -27,25 +29,40 @@ class ResidentTrainer:
 
   def __init__(self, model: Llama, optimizer: optax.GradientTransformation,
                remat: bool = False, compute_dtype=jnp.float32,
-               loss_chunk_tokens: int | None = None):
+               loss_chunk_tokens: int | None = None, *, trainable: Filter = None):
+    """Copies `model`'s parameters onto the device.
+
+    Args:
+      model: the NNX model (not modified).
+      optimizer: any Optax transform; it sees the parameters that train only.
+      remat: recompute each block in the backward.
+      compute_dtype: the dtype the blocks compute in.
+      loss_chunk_tokens: tokens per chunk of logits in the loss (None: the default).
+      trainable: which parameters train, as `StreamingTrainer`'s (None: all).
+    """
     self.cfg = model.cfg
     self.optimizer = optimizer
     self.remat = remat
     self.compute_dtype = compute_dtype
     self._chunk = loss_chunk_tokens
-    self._params = jax.tree.map(lambda a: jnp.array(a, copy=True),
-                                model.param_tree())
+    params = jax.tree.map(lambda a: jnp.array(a, copy=True), model.param_tree())
+    self._mask = None if trainable is None else trainable_lib.mask(model, trainable)
+    self._params, self._frozen = (params, None) if self._mask is None else \
+        trainable_lib.split(params, self._mask)
     self._opt_state = optimizer.init(self._params)
     self._step_count = 0
     self._jit_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
     self._jit_grad = jax.jit(jax.value_and_grad(self._loss))
 
-  def _loss(self, params, batch):
-    return model_loss(self.cfg, params, batch, self.compute_dtype, self._chunk,
-                      self.remat)
+  def _whole(self, params, frozen):
+    return params if self._mask is None else trainable_lib.merge(params, frozen, self._mask)
 
-  def _step_fn(self, params, opt_state, batch):
-    loss, grads = jax.value_and_grad(self._loss)(params, batch)
+  def _loss(self, params, frozen, batch):
+    return model_loss(self.cfg, self._whole(params, frozen), batch, self.compute_dtype,
+                      self._chunk, self.remat)
+
+  def _step_fn(self, params, opt_state, frozen, batch):
+    loss, grads = jax.value_and_grad(self._loss)(params, frozen, batch)
     updates, new_state = self.optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     grad_norm = optax.global_norm(grads)
@@ -73,7 +90,7 @@ class ResidentTrainer:
     """
     batch = check_batch(self.cfg, batch)
     self._params, self._opt_state, metrics = self._jit_step(
-        self._params, self._opt_state, batch)
+        self._params, self._opt_state, self._frozen, batch)
     out = {k: float(v) for k, v in metrics.items()}
     if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
       what = "loss" if not math.isfinite(out["loss"]) else "gradient norm"
@@ -90,16 +107,16 @@ class ResidentTrainer:
     Args:
       batch: the batch, in the format of `check_batch`.
     """
-    loss, grads = self._jit_grad(self._params, check_batch(self.cfg, batch))
+    loss, grads = self._jit_grad(self._params, self._frozen, check_batch(self.cfg, batch))
     return float(loss), jax.tree.map(np.asarray, grads)
 
   def params(self) -> dict[str, Any]:
     """The current parameters.
 
     Returns:
-      The parameter tree, as host numpy arrays.
+      The parameter tree (frozen ones included), as host numpy arrays.
     """
-    return jax.tree.map(np.asarray, self._params)
+    return jax.tree.map(np.asarray, self._whole(self._params, self._frozen))
 
   @property
   def step_count(self) -> int:

@@ -18,7 +18,7 @@ import threading
 import time
 
 from megatrain_jax.engine.device import transport as transport_lib
-from megatrain_jax.engine.plan.simulate import GATES
+from megatrain_jax.engine.plan.trace import GATES
 
 
 class Gate:

@@ -211,7 +211,7 @@ def test_a_forward_given_buffers_writes_its_residuals_into_them():
   ec = mt.EngineConfig(recompute="none")
   with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
     t = eng.templates
-    flat = eng.transport.h2d_cast(eng.host_optimizer.parts[1], jax.numpy.float32)
+    flat = eng.transport.h2d_cast(eng.host_optimizer.store.fetch_parts(1), jax.numpy.float32)
     x = jax.random.normal(jax.random.key(1), (2, 64, cfg.d_model))
     shapes = t.kept_shapes(flat, x, 0)
     reuse = tuple(jax.numpy.zeros(s.shape, s.dtype) for s in shapes)

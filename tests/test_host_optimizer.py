@@ -1,4 +1,5 @@
-"""The host optimizer's fused AdamW over parts: same bits as optax, in place, any split."""
+"""The host update path with the fused AdamW over parts: same bits as optax, in place,
+any split; the store's checkpoint layout whatever the split."""
 
 import re
 
@@ -47,8 +48,8 @@ def test_parts_update_is_optax_adamw_bit_for_bit(lr, threads, chunk):
   tx = optim.adamw(lr, b1=0.8, b2=0.95, eps=1e-7, weight_decay=0.1)
   ref = optax.adamw(lr, b1=0.8, b2=0.95, eps=1e-7, weight_decay=0.1)
   opt = _opt(tx, sizes, threads, chunk)
-  assert opt.fused and len(opt.parts[0]) == min(threads, 1000 // chunk)
-  p_ref = [jnp.asarray(opt.master(u)) for u in range(2)]
+  assert opt.updater.fused and len(opt.store.parts[0]) == min(threads, 1000 // chunk)
+  p_ref = [jnp.asarray(opt.store.master(u)) for u in range(2)]
   s_ref = [ref.init(p) for p in p_ref]
 
   @jax.jit
@@ -60,8 +61,8 @@ def test_parts_update_is_optax_adamw_bit_for_bit(lr, threads, chunk):
     for u, g in enumerate(grads):
       opt.update_unit(u, g, stream=False)
       p_ref[u], s_ref[u] = stock(p_ref[u], g, s_ref[u])
-      np.testing.assert_array_equal(opt.master(u), p_ref[u])
-      state = opt.copy_state(u)
+      np.testing.assert_array_equal(opt.store.master(u), p_ref[u])
+      state = opt.store.copy_state(u)
       for i, x in enumerate(jax.tree.leaves(s_ref[u])):
         np.testing.assert_array_equal(state[f"state_{i:03d}"], x)
   opt.close()
@@ -71,7 +72,7 @@ def _micro_batch_steps(opt, grads):
   """Each step's gradient in two halves: one accumulated, one given to the update."""
   for g in grads:
     for u in range(len(g)):
-      opt.accumulate(u, 0.5 * g[u])
+      opt.store.accumulate(u, 0.5 * g[u])
       opt.update_unit(u, 0.5 * g[u], stream=False)
 
 
@@ -83,7 +84,7 @@ def test_accumulated_gradients_same_bits_whatever_the_split():
   grads = _grads(sizes, 3)
   many, one = _opt(optim.adamw(1e-3), sizes, 3, 64), _opt(optim.adamw(1e-3), sizes, 1, 64)
   ref = optax.adamw(1e-3)
-  p_ref = [jnp.asarray(one.master(u)) for u in range(2)]
+  p_ref = [jnp.asarray(one.store.master(u)) for u in range(2)]
   s_ref = [ref.init(p) for p in p_ref]
   _micro_batch_steps(many, grads)
   _micro_batch_steps(one, grads)
@@ -92,8 +93,8 @@ def test_accumulated_gradients_same_bits_whatever_the_split():
       upd, s_ref[u] = ref.update(g[u], s_ref[u], p_ref[u])
       p_ref[u] = optax.apply_updates(p_ref[u], upd)
   for u in range(2):
-    np.testing.assert_array_equal(many.master(u), one.master(u))
-    np.testing.assert_allclose(many.master(u), p_ref[u], rtol=1e-6)
+    np.testing.assert_array_equal(many.store.master(u), one.store.master(u))
+    np.testing.assert_allclose(many.store.master(u), p_ref[u], rtol=1e-6)
   many.close()
 
 
@@ -101,17 +102,18 @@ def test_clipped_parts_match_one_part_bit_for_bit():
   sizes = [1000, 300]
   tx = lambda: optim.clip_by_global_norm(0.5, optim.adamw(1e-3))
   many, one = _opt(tx(), sizes, 3, 64), _opt(tx(), sizes, 1, 64)
-  assert many.mode == one.mode == "clipped"
-  assert [len(p) for p in many.parts] == [3, 3] and [len(p) for p in one.parts] == [1, 1]
+  assert many.updater.mode == one.updater.mode == "clipped"
+  assert [len(p) for p in many.store.parts] == [3, 3]
+  assert [len(p) for p in one.store.parts] == [1, 1]
   for grads in _grads(sizes, 3):
     for opt in (many, one):
       for u, g in enumerate(grads):
-        opt.accumulate(u, g)
+        opt.store.accumulate(u, g)
       done = []
       opt.update_all(stream=False, on_unit=lambda u, new: done.append(u))
       assert done == [0, 1]
   for u in range(2):
-    np.testing.assert_array_equal(many.master(u), one.master(u))
+    np.testing.assert_array_equal(many.store.master(u), one.store.master(u))
   many.close()
 
 
@@ -125,21 +127,21 @@ def test_checkpoint_layout_does_not_depend_on_the_split():
       for u in range(2):
         opt.update_unit(u, g[u], stream=False)
   for u in range(2):
-    assert a.state_layout(u) == b.state_layout(u)
-    sa, sb = a.copy_state(u), b.copy_state(u)
+    assert a.store.state_layout(u) == b.store.state_layout(u)
+    sa, sb = a.store.copy_state(u), b.store.copy_state(u)
     assert sa.keys() == sb.keys()
     for k in sa:
       np.testing.assert_array_equal(sa[k], sb[k])
   # One split's state loaded into the other continues exactly as the other would.
   c = _opt(tx(), sizes, 2, 64, seed=7)
   for u in range(2):
-    c.load_state(u, b.copy_state(u))
+    c.store.load_state(u, b.store.copy_state(u))
   for opt in (b, c):
     for u in range(2):
       opt.update_unit(u, grads[2][u], stream=False)
   for u in range(2):
-    np.testing.assert_array_equal(c.master(u), b.master(u))
-    assert c.state_layout(u) == b.state_layout(u)
+    np.testing.assert_array_equal(c.store.master(u), b.store.master(u))
+    assert c.store.state_layout(u) == b.store.state_layout(u)
   a.close()
   c.close()
 
@@ -157,14 +159,14 @@ def test_part_update_runs_in_place():
 
 def test_bad_gradient_is_refused_and_a_thread_failure_reaches_the_caller():
   opt = _opt(optim.adamw(1e-3), [1000], 3, 64)
-  before = opt.master(0).copy()
+  before = opt.store.master(0).copy()
   with pytest.raises(ValueError, match=r"shape \(999,\).*\(1000,\)"):
     opt.update_unit(0, jnp.zeros(999), stream=False)
   g = jnp.ones(1000)
   g.delete()  # fails inside the jitted update, on an update thread
   with pytest.raises(RuntimeError, match="deleted"):
     opt.update_unit(0, g, stream=False)
-  np.testing.assert_array_equal(opt.master(0), before)
+  np.testing.assert_array_equal(opt.store.master(0), before)
   opt.close()
 
 

@@ -15,12 +15,17 @@ import pytest
 
 import megatrain_jax as mt
 from megatrain_jax import planner
+from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.engine.plan import memory, preflight
+from megatrain_jax.models import llama
+from megatrain_jax.models import trainable as trainable_lib
 
 from conftest import TINY, SlowGradients, random_batch
 from pacing import GatedTransport, Pacer
 
 CFG = TINY.replace(n_layers=4, vocab_size=512)
+# The embedding and the first layer frozen (`trainable=`).
+FROZEN = lambda path: not (path[0] == "embed" or path[:2] == ("blocks", 0))
 MOE = CFG.replace(n_experts=4, n_experts_per_tok=2, moe_d_ff=32,
                   moe_layers=(False, True, True, True))
 # (model, engine config, optimizer): every prefetch depth, checkpoint group size, place
@@ -50,8 +55,22 @@ MATRIX = {
     "whole_tree_update": (CFG, {}, lambda: optax.chain(optax.clip_by_global_norm(1.0),
                                                        optax.sgd(0.1))),
     "skip_nonfinite_host": (CFG, dict(nonfinite="skip", activations="host"), None),
+    "frozen_embed_and_layer0_tied": (CFG.replace(tie_embeddings=True),
+                                     dict(prefetch_depth=1), None, FROZEN),
 }
 B, T, STEPS = 4, 16, 3
+
+
+def _case(name):
+  cfg, kw, optimizer, *trainable = MATRIX[name]
+  return cfg, kw, optimizer, (trainable or [None])[0]
+
+
+def _trains(cfg, trainable):
+  """Each unit's elements that train, as the trainer counts them."""
+  masks = trainable_lib.unit_masks(cfg, trainable)
+  return None if masks is None else tuple(
+      FlatSpec(t, m).train_size for t, m in zip(llama.abstract_units(cfg), masks))
 
 
 def _run(cfg, ec, optimizer, **kw):
@@ -65,14 +84,15 @@ def _run(cfg, ec, optimizer, **kw):
 
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_the_executed_ledger_is_the_model_under_its_timing(name):
-  cfg, kw, optimizer = MATRIX[name]
+  cfg, kw, optimizer, trainable = _case(name)
   transport = GatedTransport()
   ec = mt.EngineConfig(**kw, transport=transport)
   deferred = optimizer is not None
-  plan = memory.step_plan(cfg, ec, B, T, deferred=deferred, packed=False)
+  plan = memory.step_plan(cfg, ec, B, T, deferred=deferred, packed=False,
+                          trains=_trains(cfg, trainable))
   model = plan.simulate(STEPS, record=True)  # the same peak as the plan's 2 steps
   pacer = Pacer(model.timeline, transport)
-  run = _run(cfg, ec, optimizer, on_op=pacer.on_op)
+  run = _run(cfg, ec, optimizer, on_op=pacer.on_op, trainable=trainable)
   pacer.start(next(run))
   try:
     stats = next(run)
@@ -81,23 +101,25 @@ def test_the_executed_ledger_is_the_model_under_its_timing(name):
     run.close()
   assert stats["device_peak_bytes"] == model.peak["total"] == plan.peak["total"]
   # The planner's figure is the same model's.
-  assert planner.device_peak(cfg, ec, B, T, flash_attention=False, deferred=deferred,
-                             packed=False) == plan.peak["total"]
+  if trainable is None:
+    assert planner.device_peak(cfg, ec, B, T, flash_attention=False, deferred=deferred,
+                               packed=False) == plan.peak["total"]
 
 
 @pytest.mark.parametrize("slow", [False, True], ids=["free", "slow_gradients"])
 @pytest.mark.parametrize("name", sorted(MATRIX))
 def test_the_ledger_never_passes_the_model(name, slow):
-  cfg, kw, optimizer = MATRIX[name]
+  cfg, kw, optimizer, trainable = _case(name)
   ec = mt.EngineConfig(**kw, transport=SlowGradients() if slow else None)
-  run = _run(cfg, ec, optimizer)
+  run = _run(cfg, ec, optimizer, trainable=trainable)
   next(run)
   stats = next(run)
   run.close()
-  predicted = memory.step_plan(cfg, ec, B, T, deferred=optimizer is not None, packed=False)
+  predicted = memory.step_plan(cfg, ec, B, T, deferred=optimizer is not None, packed=False,
+                               trains=_trains(cfg, trainable))
   assert stats["device_peak_bytes"] <= predicted.peak["total"]
-  assert memory.device_bytes(cfg, ec, B, T, deferred=optimizer is not None)["total"] >= \
-      predicted.peak["total"]
+  assert memory.device_bytes(cfg, ec, B, T, deferred=optimizer is not None,
+                             plan=predicted)["total"] >= predicted.peak["total"]
 
 
 def test_start_buffers_stay_within_the_peak_without_them():

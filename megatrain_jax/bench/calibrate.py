@@ -18,7 +18,7 @@ from megatrain_jax.engine.host.optimizer import HostOptimizer
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.optim import adamw
 from megatrain_jax.planner.hardware import Hardware
-from megatrain_jax.planner.plan import step_flops
+from megatrain_jax.planner.cost import step_flops
 
 
 def measure_hardware(quick: bool = False, dtype=jnp.float32,
@@ -76,7 +76,7 @@ def measure_hardware(quick: bool = False, dtype=jnp.float32,
 
   def update():
     opt.update_unit(0, g, stream=False)
-    return opt.parts[0]
+    return opt.store.parts[0]
 
   host_opt = 28 * n / timing.median_time(update, reps)
   opt.close()

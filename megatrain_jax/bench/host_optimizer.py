@@ -42,10 +42,10 @@ def host_optimizer_bandwidth(s: Suite) -> dict[str, Any]:
 
   def run_opt():  # the optimizer proper: new master and state
     opt.update_unit(0, grad, stream=False)
-    return opt.parts[0], opt.states[0]
+    return opt.store.parts[0], opt.store.states[0]
 
   def run_update():  # the engine's whole per-unit update, streaming copy included
-    return opt.update_unit(0, grad), opt.parts[0], opt.states[0]
+    return opt.update_unit(0, grad), opt.store.parts[0], opt.store.states[0]
 
   # Short calls on a shared machine: three times the repetitions for a stable median.
   t = median_times({"opt": run_opt, "update": run_update, "triad": run_triad},
@@ -145,7 +145,7 @@ def host_optimizer_profile(s: Suite) -> dict[str, Any]:
 
   def run_one_thread():
     one.update_unit(0, grad, stream=False)
-    return one.parts[0], one.states[0]
+    return one.store.parts[0], one.store.states[0]
 
   def run_triad():
     tri["b"] = triad(tri["b"], tri["c"])

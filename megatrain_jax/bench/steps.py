@@ -120,7 +120,8 @@ def template_times(s: Suite) -> dict[str, Any]:
     n, tpl, tp = cfg.n_layers, eng.templates, eng.transport
     ids, labels, mask = (tp.to_device(batch[k]) for k in ("input_ids", "labels", "loss_mask"))
     host_opt = eng.host_optimizer
-    units = [tp.h2d_cast(host_opt.parts[u], host_opt.compute_dtype) for u in range(n + 2)]
+    units = [tp.h2d_cast(host_opt.store.fetch_parts(u), host_opt.compute_dtype)
+             for u in range(n + 2)]
     tied = units[0] if cfg.tie_embeddings else None
     scale = jnp.float32(1.0 / batch["loss_mask"].sum())
 

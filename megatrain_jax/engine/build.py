@@ -15,6 +15,7 @@ from megatrain_jax.engine.plan import memory, preflight, sizes
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.engine.host.optimizer import HostOptimizer
+from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.probe import FAST_PATH, resolve_for_config
 from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.engine.plan.schedule import Schedule
@@ -49,12 +50,13 @@ def host_units(cfg: LlamaConfig, key: jax.Array) -> Iterator[Any]:
 
 
 def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineConfig,
-          unit_trees: Iterable[Any], grad_hook: Callable | None = None
-          ) -> tuple[Schedule, Templates, Runtime]:
+          unit_trees: Iterable[Any], grad_hook: Callable | None = None,
+          masks: list[Any] | None = None) -> tuple[Schedule, Templates, Runtime]:
   """The schedule, templates and running runtime of a streaming trainer.
 
   The unit trees are flattened into the host store one at a time (each becomes
-  the unit's fp32 master), so the whole model never exists twice.
+  the unit's fp32 master, and its frozen elements' copy), so the whole model never
+  exists twice.
 
   Args:
     cfg: the model.
@@ -62,6 +64,8 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
     ec: the engine config.
     unit_trees: embed, each block, head (numpy or host arrays), consumed lazily.
     grad_hook: see `GradientPipeline`.
+    masks: per unit, a tree of bools: which leaves train (None: all of them;
+      `models.trainable.unit_masks`).
 
   Returns:
     (schedule, templates, runtime).
@@ -82,7 +86,8 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
     malloc.return_freed_memory()
   schedule = Schedule.build(cfg, ec)
   transport = _transport(ec)
-  resolution = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
+  trains = None if masks is None else tuple(tuple(jax.tree.leaves(m)) for m in masks)
+  resolution = resolve_for_config(optimizer, cfg, ec.optimizer_mode, trains)
   if resolution.mode == "whole_tree" and ec.optimizer_mode == "auto":
     logging.info("optimizer_mode auto: whole_tree, because %s. Each step's update then "
                  "waits for the whole backward. %s", resolution.reason, FAST_PATH)
@@ -92,7 +97,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                                      ec.device_budget_bytes, unit=2**20)
   specs, masters, kinds = [], [], {}
   for u, tree in enumerate(unit_trees):
-    spec = FlatSpec(tree)
+    spec = FlatSpec(tree, None if masks is None else masks[u])
     if 1 <= u <= cfg.n_layers:
       spec = kinds.setdefault(spec, spec)  # blocks of one structure share one spec
     specs.append(spec)
@@ -101,13 +106,15 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
     raise ValueError(f"Expected {schedule.n_units} units (embed, {cfg.n_layers} blocks, "
                      f"head), got {len(specs)}.")
   keep = sizes.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
-  host_opt = HostOptimizer(resolution, specs, masters, jnp.dtype(ec.compute_dtype),
-                           transport.host_device, transport.stream_sharding(),
-                           threads=ec.host_threads, chunk=ec.host_chunk)
-  logging.info("StreamingTrainer: %d units, %.1fM parameters, optimizer %s%s, compute %s, "
-               "streaming copies %s.", len(specs), sum(s.size for s in specs) / 1e6,
-               host_opt.mode, f" (fused AdamW on {host_opt.threads} threads)"
-               if host_opt.fused else "", ec.dtype_name,
+  updater = resolution.make(transport.host_device, ec.host_threads, ec.host_chunk)
+  store = HostStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name)
+  host_opt = HostOptimizer(store, updater, jnp.dtype(ec.compute_dtype),
+                           transport.stream_sharding())
+  n, frozen = sum(s.size for s in specs), sum(s.frozen_size for s in specs)
+  logging.info("StreamingTrainer: %d units, %.1fM parameters%s, optimizer %s%s, compute %s, "
+               "streaming copies %s.", len(specs), n / 1e6,
+               f" ({frozen / 1e6:.1f}M frozen, in {ec.frozen_dtype_name})" if frozen else "",
+               updater.mode, updater.describe(), ec.dtype_name,
                "kept" if keep else "made at each fetch")
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)

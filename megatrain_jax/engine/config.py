@@ -135,6 +135,10 @@ class EngineConfig:
       "forward runs once and its parameters are fetched once a micro-batch; only "
       "when its checkpoint group is that layer alone, recompute is full and the "
       "layer is dense.")
+  frozen_dtype: str | None = _field(
+      None, "Dtype the frozen parameters (`trainable=`) are kept in on the host: they "
+      "have no fp32 master, no optimizer state and no gradient (None: the compute "
+      "dtype; float32 for exact fp32 work).", choices=tuple(DTYPES))
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "
@@ -144,7 +148,8 @@ class EngineConfig:
     object.__setattr__(self, "compute_dtype", DTYPES[dtype_name(self.compute_dtype)])
     for f in dataclasses.fields(self):
       value, meta = getattr(self, f.name), f.metadata
-      if "choices" in meta and f.name != "compute_dtype" and value not in meta["choices"]:
+      if ("choices" in meta and f.name != "compute_dtype" and value not in meta["choices"]
+          and not (value is None and f.default is None)):
         raise ValueError(f"EngineConfig.{f.name}={value!r} is not one of "
                          f"{meta['choices']}.")
       if "low" in meta and not (value is None and f.default is None):
@@ -162,6 +167,11 @@ class EngineConfig:
                        f"residuals, so checkpoint_every={self.checkpoint_every} groups "
                        "nothing: set checkpoint_every=1, or recompute='full' to "
                        "recompute groups of layers.")
+
+  @property
+  def frozen_dtype_name(self) -> str:
+    """The dtype frozen parameters are kept in ("float32" or "bfloat16")."""
+    return self.frozen_dtype or self.dtype_name
 
   @property
   def dtype_name(self) -> str:

@@ -24,12 +24,13 @@ import jax.numpy as jnp
 
 from megatrain_jax.engine.device.templates import Templates
 from megatrain_jax.engine.nonfinite import Bad, StepGuard
+from megatrain_jax.engine.plan import ops
 from megatrain_jax.engine.plan import program as P
 from megatrain_jax.engine.plan.memory import StepPlan
 from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.models import moe
 
-OpHook = Callable[[P.Op], None]
+OpHook = Callable[[ops.Op], None]
 
 
 @dataclasses.dataclass
@@ -81,11 +82,8 @@ class Executor:
       on_op: `on_op(op)` is called on this thread before each operation runs.
     """
     self.rt, self.tpl, self.on_op = rt, tpl, on_op
-    self._run = {cls: getattr(self, "_" + cls.__name__) for cls in (
-        P.StartFetches, P.Take, P.UseResident, P.Release, P.JobDone, P.EmbedForward,
-        P.Checkpoint, P.BlockForward, P.Flush, P.Head, P.SendGradient, P.Reload,
-        P.Restore, P.Recompute, P.BlockBackward, P.DropCheckpoint, P.EmbedBackward,
-        P.Settle, P.Drain)}
+    # One method per operation kind, named after it: a kind without one fails here.
+    self._run = {cls: getattr(self, "_" + cls.__name__) for cls in ops.Op.__subclasses__()}
 
   def run(self, plan: StepPlan, prog: P.StepProgram, batch: dict[str, Any], total: float,
           guard: StepGuard) -> Outcome:
@@ -106,7 +104,7 @@ class Executor:
     self.total, self.sums, self.input_bytes = total, [], 0
     self.bad, self.loss, self.t_sweep = None, float("nan"), None
     self.last_m = prog.grad_accum - 1
-    self.updates = any(isinstance(op, P.Settle) and op.update for op in prog.ops)
+    self.updates = any(isinstance(op, ops.Settle) and op.update for op in prog.ops)
     rows, self.micro, self.m = batch["input_ids"].shape[0], None, -1
     self.rt.last_plan = plan
     try:
@@ -128,7 +126,7 @@ class Executor:
     return Micro({k: to(micro[k]) for k in ("input_ids", "labels", "loss_mask")},
                  {k: to(micro[k]) for k in ("positions", "segment_ids") if k in micro})
 
-  def _apply(self, op: P.Op, *arrays) -> None:
+  def _apply(self, op: ops.Op, *arrays) -> None:
     self.rt.ledger.apply(op.effects(self.plan.bytes), arrays)
 
   def _param(self, u: int):
@@ -136,35 +134,35 @@ class Executor:
 
   # -- fetches -----------------------------------------------------------------
 
-  def _StartFetches(self, op: P.StartFetches) -> None:
+  def _StartFetches(self, op: ops.StartFetches) -> None:
     s = self.prog.schedule
     self.rt.prefetcher.start(s.fetch_order, self.guard.step + op.ahead, s.limit,
                              s.start_positions, s.tail_needs)
 
-  def _Take(self, op: P.Take) -> None:
+  def _Take(self, op: ops.Take) -> None:
     self.micro.buffers[op.position] = self.rt.prefetcher.get(op.unit)
     self.micro.unit_at[op.unit] = op.position
 
-  def _UseResident(self, op: P.UseResident) -> None:
+  def _UseResident(self, op: ops.UseResident) -> None:
     self.rt.await_update(op.unit, self.guard.step)  # then read the copy its update made
     self.micro.buffers[-1 - op.unit] = (self.rt.store.resident(op.unit), None)
     self.micro.unit_at[op.unit] = -1 - op.unit
 
-  def _Release(self, op: P.Release) -> None:
+  def _Release(self, op: ops.Release) -> None:
     _, key = self.micro.buffers.pop(op.position)
     self.rt.prefetcher.release(key, self.micro.token)
 
-  def _JobDone(self, op: P.JobDone) -> None:
+  def _JobDone(self, op: ops.JobDone) -> None:
     self.rt.prefetcher.job_done()  # no activation is left: later jobs may use start buffers
 
   # -- forward -----------------------------------------------------------------
 
-  def _EmbedForward(self, op: P.EmbedForward) -> None:
+  def _EmbedForward(self, op: ops.EmbedForward) -> None:
     mb = self.micro
     mb.x = mb.token = self.tpl.embed_fwd(self._param(0), mb.batch["input_ids"])
     self._apply(op, mb.x)
 
-  def _Checkpoint(self, op: P.Checkpoint) -> None:
+  def _Checkpoint(self, op: ops.Checkpoint) -> None:
     mb = self.micro
     saved = (mb.x_in, mb.kept) if mb.kept is not None else mb.x
     mb.x_in = mb.kept = None
@@ -176,7 +174,7 @@ class Executor:
     else:
       mb.ckpts[op.group] = saved
 
-  def _BlockForward(self, op: P.BlockForward) -> None:
+  def _BlockForward(self, op: ops.BlockForward) -> None:
     mb, p = self.micro, self._param(1 + op.layer)
     if op.keep:
       reuse = self._reuse(p, op.layer) if op.pooled else None
@@ -196,10 +194,10 @@ class Executor:
     shapes = self.tpl.kept_shapes(p, mb.x, layer, **mb.extra)
     return self.rt.pool.take(shapes) or tuple(jnp.zeros(s.shape, s.dtype) for s in shapes)
 
-  def _Flush(self, op: P.Flush) -> None:
+  def _Flush(self, op: ops.Flush) -> None:
     self.rt.activations.flush()  # a failed copy out is raised before any gradient leaves
 
-  def _Head(self, op: P.Head) -> None:
+  def _Head(self, op: ops.Head) -> None:
     mb, tpl = self.micro, self.tpl
     aux, mb.g_probs = _load_balancing(tpl.cfg, mb.router, mb.batch["input_ids"].size,
                                       self.scale)
@@ -223,29 +221,29 @@ class Executor:
     self.guard.loss_parts.append(mb.loss)  # before any gradient: updates wait for it
     self.sums.append(mb.loss)
 
-  def _SendGradient(self, op: P.SendGradient) -> None:
+  def _SendGradient(self, op: ops.SendGradient) -> None:
     g, finite = self.micro.grads.pop(op.unit)
     self.rt.pipeline.send(("grad", op.m, op.unit), op.unit, g, finite,
                           self.updates and op.m == self.last_m, self.guard)
 
   # -- backward ----------------------------------------------------------------
 
-  def _Reload(self, op: P.Reload) -> None:
+  def _Reload(self, op: ops.Reload) -> None:
     self.rt.activations.prefetch(("ckpt", op.m, op.group))  # while this group computes
 
-  def _Restore(self, op: P.Restore) -> None:
+  def _Restore(self, op: ops.Restore) -> None:
     mb = self.micro
     saved = (self.rt.activations.take(("ckpt", op.m, op.group)) if op.host
              else mb.ckpts.pop(op.group))
     mb.xs = [saved]
 
-  def _Recompute(self, op: P.Recompute) -> None:
+  def _Recompute(self, op: ops.Recompute) -> None:
     mb = self.micro
     x = self.tpl.block_fwd(self._param(1 + op.layer), mb.xs[-1], op.layer, **mb.extra)[0]
     mb.xs.append(x)
     self._apply(op, x)
 
-  def _BlockBackward(self, op: P.BlockBackward) -> None:
+  def _BlockBackward(self, op: ops.BlockBackward) -> None:
     mb, p = self.micro, self._param(1 + op.layer)
     saved, mb.xs[op.j] = mb.xs[op.j], None
     if op.kept:
@@ -261,20 +259,21 @@ class Executor:
     if op.pooled:  # the next forward of these shapes writes into them
       self.rt.pool.give((saved[0], *saved[1]))
 
-  def _DropCheckpoint(self, op: P.DropCheckpoint) -> None:
+  def _DropCheckpoint(self, op: ops.DropCheckpoint) -> None:
     self.micro.ckpts.pop(op.group, None)
     self._apply(op)
 
-  def _EmbedBackward(self, op: P.EmbedBackward) -> None:
-    mb = self.micro
-    g_embed, finite = self.tpl.embed_bwd(mb.batch["input_ids"], mb.g, mb.g_e)
-    mb.grads[0] = (g_embed, finite)
+  def _EmbedBackward(self, op: ops.EmbedBackward) -> None:
+    mb, made = self.micro, []
+    if op.trains:  # a frozen embedding needs no gradient: the backward ends here
+      g_embed, finite = self.tpl.embed_bwd(mb.batch["input_ids"], mb.g, mb.g_e)
+      mb.grads[0], made = (g_embed, finite), [g_embed]
     mb.x = mb.g = mb.g_e = None
-    self._apply(op, *([g_embed] if op.trains else []))
+    self._apply(op, *made)
 
   # -- the step's end ----------------------------------------------------------
 
-  def _Settle(self, op: P.Settle) -> None:
+  def _Settle(self, op: ops.Settle) -> None:
     self.t_sweep = time.perf_counter()
     self.micro = None  # nothing of the last micro-batch stays alive
     self.loss = float(sum(float(s) for s in self.sums)) / self.total
@@ -284,7 +283,7 @@ class Executor:
     else:
       self.rt.pipeline.wait()
 
-  def _Drain(self, op: P.Drain) -> None:
+  def _Drain(self, op: ops.Drain) -> None:
     self.rt.prefetcher.drain()
 
 

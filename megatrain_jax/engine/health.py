@@ -113,6 +113,28 @@ class Health:
       self.error = error
       raise error
 
+  def restore(self, load: Callable[[], None], step: int, revive: bool) -> None:
+    """Loads restored state, and revives an invalid trainer once it is all loaded.
+
+    Args:
+      load: loads every part; if it fails partway the trainer is invalid.
+      step: the step the state is at.
+      revive: the trainer was invalid (its threads were stopped).
+
+    Raises:
+      What `load` raised; the trainer is then invalid.
+    """
+    try:
+      load()
+    except BaseException as e:
+      self.fail(e, during="a restore (some parts were loaded)")
+      raise
+    if revive:
+      self._rt.start()
+    self._rt.remake_copies()
+    if revive:  # every part and copy is the restored state's
+      self.error, self.late = None, nonfinite.StepGuard(step=step)
+
   def bad_step(self, bad: nonfinite.Bad, guard: nonfinite.StepGuard,
                skip: bool) -> FloatingPointError | None:
     """Applies the non-finite policy to a step that went bad.

@@ -51,12 +51,17 @@ class Runtime:
     self.platform = transport.device.platform
     self.ledger = Ledger()
     self.copies = CopyCounter()
-    self.clock = UpdateClock(schedule.n_units)
+    self.clock = UpdateClock(schedule.n_units, [u for u, s in enumerate(host_opt.store.specs)
+                                                if not s.train_size])
     self.clock.listen(lambda: self.prefetcher.wake())  # an update done may let it fetch
     self.store = UnitStore(host_opt, transport, self.cd, keep_copy, self.ledger)
     # Updates wait for the whole sweep when the transform needs every gradient, or
     # when a non-finite step must be skippable.
-    self.defer = host_opt.updates_after_sweep or ec.nonfinite == "skip"
+    self.defer = host_opt.updater.deferred or ec.nonfinite == "skip"
+    # Each unit's elements that train, when some are frozen (`plan.memory.step_plan`).
+    specs = host_opt.store.specs
+    self.trains = (None if all(s.frozen_size == 0 for s in specs)
+                   else tuple(s.train_size for s in specs))
     self._grad_hook = grad_hook
     self.h2d_bytes = self.peak_bytes = 0
     self.last_plan: StepPlan | None = None  # the last step's (where its checkpoints went)
@@ -158,7 +163,7 @@ class Runtime:
     if not self.defer:
       return nonfinite.first_verdict(guard, loss, self.pipeline, self.ec.timeout_s)
     self.pipeline.wait()
-    bad = nonfinite.find_nonfinite(loss, self.host_opt.nonfinite_units(),
+    bad = nonfinite.find_nonfinite(loss, self.host_opt.store.nonfinite_units(),
                                    self.schedule.grad_order)
     if bad is None:
       self.pipeline.update_all(guard.step)
@@ -172,10 +177,10 @@ class Runtime:
     """The checkpoint part names.
 
     Returns:
-      One per `host_opt.state_names()` entry, in that order.
+      One per `store.state_names()` entry, in that order.
     """
     return [n if n == "optimizer" else self.schedule.state_key(n)
-            for n in self.host_opt.state_names()]
+            for n in self.host_opt.store.state_names()]
 
   def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
     """The checkpoint's layout.
@@ -183,8 +188,9 @@ class Runtime:
     Returns:
       For each part, the (shape, dtype) of its arrays.
     """
-    return {key: self.host_opt.state_layout(name)
-            for name, key in zip(self.host_opt.state_names(), self.state_keys())}
+    store = self.host_opt.store
+    return {key: store.state_layout(name)
+            for name, key in zip(store.state_names(), self.state_keys())}
 
   def snapshot(self, max_copies: int) -> Snapshot:
     """A snapshot of the host state, installed until the writer closes it.
@@ -195,20 +201,21 @@ class Runtime:
     Returns:
       The `Snapshot`, parts in the order the next updates change them.
     """
-    key_of = dict(zip(self.host_opt.state_names(), self.state_keys()))
+    store = self.host_opt.store
+    key_of = dict(zip(store.state_names(), self.state_keys()))
     name_of = {k: n for n, k in key_of.items()}
     order = [key_of[u] for u in self.schedule.update_order(self.defer)]
     order += [k for k in self.state_keys() if k not in order]
-    snap = Snapshot(order, lambda key: self.host_opt.copy_state(name_of[key]), max_copies,
+    snap = Snapshot(order, lambda key: store.copy_state(name_of[key]), max_copies,
                     self.copies, stall_s=self.ec.timeout_s)
 
     def before_donate(names):
       if snap.closed:
-        self.host_opt.set_before_donate(None)
+        store.set_before_donate(None)
         return
       snap.before_change([key_of[n] for n in names])
 
-    self.host_opt.set_before_donate(before_donate)
+    store.set_before_donate(before_donate)
     return snap
 
   def load_state(self, read: Callable[[str], dict], step: int) -> None:
@@ -218,9 +225,10 @@ class Runtime:
       read: part name -> its arrays.
       step: the step the state is at (every unit is then as of it).
     """
-    for name, key in zip(self.host_opt.state_names(), self.state_keys()):
-      self.host_opt.load_state(name, read(key))
-    self.host_opt.drop_gradients()
+    store = self.host_opt.store
+    for name, key in zip(store.state_names(), self.state_keys()):
+      store.load_state(name, read(key))
+    store.drop_gradients()
     self.clock.reset(step)
 
   def take_gradients(self) -> list[Any]:
@@ -230,7 +238,8 @@ class Runtime:
       One tree of fp32 numpy arrays per unit.
     """
     host_opt = self.host_opt
-    grads = [s.unflatten(host_opt.gradient(u)) for u, s in enumerate(host_opt.specs)]
+    store = host_opt.store
+    grads = [s.unflatten(store.gradient(u)) for u, s in enumerate(store.trained)]
     self.pipeline.drop_gradients()
     return grads
 
@@ -302,12 +311,13 @@ class Runtime:
     return {"h2d_bytes": self.h2d_bytes, "d2h_bytes": self.pipeline.d2h_bytes,
             "device_peak_bytes": self.peak_bytes, "last_step": dict(self.last),
             "device_bytes": self.ledger.current,
-            "param_count": sum(s.size for s in host_opt.specs),
+            "param_count": sum(s.size for s in host_opt.store.specs),
             "data_parallel_devices": getattr(getattr(self.transport, "base", self.transport),
                                              "n_devices", 1),
             "stream_bytes": self.store.stream_bytes(), "prefetch_slots": self.schedule.slots,
-            "optimizer_mode": host_opt.mode, "fused_optimizer": host_opt.fused,
-            "host_update_parts": max(len(p) for p in host_opt.parts),
+            "optimizer_mode": host_opt.updater.mode,
+            "fused_optimizer": host_opt.updater.fused,
+            "host_update_parts": max(len(p) for p in host_opt.store.parts),
             "stream_copy": "keep" if self.store.keep_copy else "on_fetch",
             "out_of_order_fetches": self.prefetcher.out_of_order,
             "start_buffer_fetches": self.prefetcher.start_buffer_fetches,

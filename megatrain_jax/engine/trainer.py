@@ -1,8 +1,8 @@
 """StreamingTrainer: host-resident state, one unit on the accelerator at a time.
 
 A facade over the engine's parts (docs/engine.md has the map): it builds them, runs
-a step through `step.sweep`, applies the non-finite policy, and offers the state
-interface checkpoints use. The threads live in a `Runtime`, which the facade's
+a step's program through the `Executor`, applies the non-finite policy, and offers
+the state interface checkpoints use. The threads live in a `Runtime`, which the facade's
 finalizer shuts down if it is dropped without `close()`.
 """
 
@@ -21,12 +21,11 @@ from megatrain_jax.engine.plan import memory, preflight, sizes
 from megatrain_jax.engine.build import build, host_units
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.health import Health
-from megatrain_jax.engine.host.optimizer import HostOptimizer
-from megatrain_jax.engine.runtime import Runtime, shutdown_quietly
+from megatrain_jax.engine.runtime import shutdown_quietly
 from megatrain_jax.engine.execute import Executor, OpHook, Outcome
 from megatrain_jax.engine.host.state import Snapshot
-from megatrain_jax.engine.device.transport import Transport
 from megatrain_jax.models import llama
+from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.config import LlamaConfig
 
 GradHook = Callable[[int, jax.Array], jax.Array]
@@ -41,14 +40,17 @@ class StreamingTrainer:
   """
 
   def __init__(self, model: llama.Llama, optimizer: optax.GradientTransformation,
-               config: EngineConfig | None = None, *, grad_hook: GradHook | None = None,
-               on_op: OpHook | None = None):
+               config: EngineConfig | None = None, *, trainable: trainable_lib.Filter = None,
+               grad_hook: GradHook | None = None, on_op: OpHook | None = None):
     """Copies `model`'s parameters into the host store.
 
     Args:
       model: the NNX model (not modified).
       optimizer: any Optax transform (see `EngineConfig.optimizer_mode`).
       config: the engine config (default `EngineConfig()`).
+      trainable: which parameters train: an NNX filter or a predicate over parameter
+        paths (`models.trainable`; None: every `nnx.Param`). The others keep their
+        values, in `EngineConfig.frozen_dtype`, with no gradient sent to the host.
       grad_hook: `hook(unit, gradient) -> gradient` on each device gradient before it
         leaves the device (inspection, fault injection); its result is checked for
         finiteness again.
@@ -56,17 +58,18 @@ class StreamingTrainer:
         step's thread: tracing, profiling, or pacing the engine in a test.
 
     Raises:
-      ValueError: a config the device budget cannot hold, or optimizer_mode="per_unit"
-        for a transform that needs the whole tree.
+      ValueError: a config the device budget cannot hold, optimizer_mode="per_unit"
+        for a transform that needs the whole tree, or a `trainable` that selects
+        nothing.
     """
     units = [model.embed.tree(), *(b.tree() for b in model.blocks), model.head.tree()]
-    self._setup(model.cfg, optimizer, config or EngineConfig(), units, grad_hook, on_op)
+    self._setup(model.cfg, optimizer, config, units, trainable_lib.unit_masks(
+        model, trainable), grad_hook, on_op)
 
   @classmethod
   def from_units(cls, cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                  config: EngineConfig | None, unit_trees: Iterable[Any], *,
-                 grad_hook: GradHook | None = None,
-                 on_op: OpHook | None = None) -> "StreamingTrainer":
+                 trainable: trainable_lib.Filter = None, **hooks) -> "StreamingTrainer":
     """A trainer over unit trees produced one at a time (the whole model never exists).
 
     Args:
@@ -74,21 +77,21 @@ class StreamingTrainer:
       optimizer: any Optax transform.
       config: the engine config (None: `EngineConfig()`).
       unit_trees: embed, each block, head (numpy or host arrays), consumed lazily.
-      grad_hook: as `__init__`.
-      on_op: as `__init__`.
+      trainable: as `__init__` (NNX filters see the variable types of `Llama(cfg)`).
+      **hooks: `grad_hook` and `on_op`, as `__init__`.
 
     Returns:
       The trainer.
     """
     self = cls.__new__(cls)
-    self._setup(cfg, optimizer, config or EngineConfig(), unit_trees, grad_hook, on_op)
+    self._setup(cfg, optimizer, config, unit_trees, trainable_lib.unit_masks(cfg, trainable),
+                **hooks)
     return self
 
   @classmethod
   def from_config(cls, cfg: LlamaConfig, optimizer: optax.GradientTransformation,
-                  config: EngineConfig | None = None, key: jax.Array | None = None, *,
-                  grad_hook: GradHook | None = None,
-                  on_op: OpHook | None = None) -> "StreamingTrainer":
+                  config: EngineConfig | None = None, key: jax.Array | None = None,
+                  **options) -> "StreamingTrainer":
     """Initialises every unit on the host CPU backend, one at a time.
 
     Args:
@@ -97,8 +100,7 @@ class StreamingTrainer:
       config: the engine config (None: `EngineConfig()`).
       key: the PRNG key; with the same key the parameters equal
         `Llama(cfg, rngs=nnx.Rngs(params=key))`'s.
-      grad_hook: as `__init__`.
-      on_op: as `__init__`.
+      **options: `trainable`, `grad_hook` and `on_op`, as `__init__`.
 
     Returns:
       The trainer.
@@ -108,12 +110,12 @@ class StreamingTrainer:
     """
     if key is None:
       raise ValueError("from_config needs an explicit PRNG key, e.g. jax.random.key(0).")
-    return cls.from_units(cfg, optimizer, config, host_units(cfg, key),
-                          grad_hook=grad_hook, on_op=on_op)
+    return cls.from_units(cfg, optimizer, config, host_units(cfg, key), **options)
 
-  def _setup(self, cfg, optimizer, ec: EngineConfig, unit_trees, grad_hook, on_op) -> None:
-    self.cfg, self.config = cfg, ec
-    self.schedule, self.templates, self._rt = build(cfg, optimizer, ec, unit_trees, grad_hook)
+  def _setup(self, cfg, optimizer, ec, unit_trees, masks, grad_hook=None, on_op=None):
+    self.cfg, self.config = cfg, ec or EngineConfig()
+    self.schedule, self.templates, self._rt = build(cfg, optimizer, self.config, unit_trees,
+                                                    grad_hook, masks)
     self._executor = Executor(self._rt, self.templates, on_op)
     self._finalizer = weakref.finalize(self, shutdown_quietly, self._rt)
     self._health = Health(self._rt, self.schedule.unit_name)
@@ -170,7 +172,7 @@ class StreamingTrainer:
   def _prepare(self, batch):
     self._health.check_usable()
     return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum,
-                                deferred=self._rt.defer)
+                                deferred=self._rt.defer, trains=self._rt.trains)
 
   def _sweep(self, batch, total: float, plan, guard, update: bool) -> Outcome:
     self._rt.pipeline.check()  # a failure after the last step returned
@@ -237,12 +239,12 @@ class StreamingTrainer:
     return self
 
   def __exit__(self, exc_type, exc, tb) -> None:
-    if exc_type is None:
-      self.close()
-      return
-    try:  # never hide the exception leaving the `with` block
+    try:
       self.close()
     except BaseException as e:  # pylint: disable=broad-except
+      if exc_type is None:
+        raise
+      # Never hide the exception leaving the `with` block.
       logging.error("Closing the StreamingTrainer also failed: %s: %s", type(e).__name__, e)
 
   @property
@@ -250,20 +252,11 @@ class StreamingTrainer:
     """Steps taken (skipped ones included), restored from a checkpoint."""
     return self._steps
 
-  @property
-  def host_optimizer(self) -> HostOptimizer:
-    """The host store: masters, optimizer state and their parts."""
-    return self._rt.host_opt
-
-  @property
-  def transport(self) -> Transport:
-    """How this trainer moves bytes."""
-    return self._rt.transport
-
-  @property
-  def runtime(self) -> Runtime:
-    """The parts its threads share: the ledger, the update clock, the prefetcher."""
-    return self._rt
+  host_optimizer = property(lambda self: self._rt.host_opt,
+                            doc="The `HostOptimizer`: the state store and the updater.")
+  transport = property(lambda self: self._rt.transport, doc="How this trainer moves bytes.")
+  runtime = property(lambda self: self._rt, doc="The `Runtime`: the parts its threads "
+                     "share (the ledger, the update clock, the prefetcher).")
 
   def _settled(self) -> None:
     """Valid, with the last step's updates done (nothing to wait for once closed)."""
@@ -288,7 +281,8 @@ class StreamingTrainer:
       A tree of numpy arrays (a copy).
     """
     self._settled()
-    return self._rt.host_opt.specs[u].unflatten(self._rt.host_opt.master(u))
+    store = self._rt.host_opt.store
+    return store.specs[u].unflatten(store.master(u))
 
   def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
     """What `snapshot` holds.
@@ -326,25 +320,16 @@ class StreamingTrainer:
     Raises:
       RuntimeError: the trainer is closed.
     """
-    health, rt = self._health, self._rt
+    health = self._health
     if health.closed:
       raise RuntimeError("This StreamingTrainer is closed; build a new one to restore into.")
     revive = health.error is not None
     if not revive:
       self.wait()
       self._cancel_prefetch()
-    try:
-      rt.load_state(read, int(step_count))
-    except BaseException as e:
-      health.fail(e, during="a restore (some parts were loaded)")
-      raise
-    self._steps = int(step_count)
-    if revive:
-      rt.start()
-    rt.remake_copies()
-    if revive:  # every part and copy is the restored state's
-      health.error, self._next_started = None, None
-      health.late = nonfinite.StepGuard(step=self._steps)
+    health.restore(lambda: self._rt.load_state(read, int(step_count)), int(step_count),
+                   revive)
+    self._steps, self._next_started = int(step_count), None
 
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times.

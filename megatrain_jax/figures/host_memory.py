@@ -44,7 +44,7 @@ def rows(quick: bool) -> list[dict]:
     cfg = preset(name)
     h = memory.host_bytes(cfg, adamw(1e-4), ec)
     with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
-      allocated = (eng.host_optimizer.master_bytes() + eng.host_optimizer.state_bytes()
+      allocated = (eng.host_optimizer.store.master_bytes() + eng.host_optimizer.store.state_bytes()
                    + eng.stats()["stream_bytes"])
     out.append({"source": "measured", "model": name, "params_b": cfg.param_count() / 1e9,
                 "total_gb": allocated / 1e9,

@@ -95,7 +95,7 @@ class Ledger:
 
     Args:
       effects: (key, bytes) added or (key, None) freed, in order
-        (`program.Op.effects`).
+        (`ops.Op.effects`).
       arrays: one array (or tree of arrays) per added key, in order; its bytes are
         counted, not the effect's.
 

@@ -9,7 +9,7 @@ class BufferPool:
   """A layer's input and residual buffers, from its backward to the next forward.
 
   On the CPU backend every device buffer is a fresh allocation, and one over
-  malloc's mmap threshold (`host_memory.MMAP_THRESHOLD`) a fresh mapping whose
+  malloc's mmap threshold (`host.malloc.MMAP_THRESHOLD`) a fresh mapping whose
   pages are faulted in again: with recompute "none" that was every kept residual
   of every layer, every step. So once a layer's backward has used its input and
   residuals, their buffers wait here, and a later `block_fwd_keep` of the same

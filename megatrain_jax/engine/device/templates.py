@@ -104,10 +104,11 @@ class Templates:
       return llama.block_apply_stats(cfg, spec.unflatten(flat), x, pos, window, seg)
 
     def block_bwd(flat, x, g, g_probs, pos, seg, spec, window):
-      def f(fl, x):
-        y, stats = llama.block_apply_stats(cfg, spec.unflatten(fl), x, pos, window, seg)
+      def f(ft, x):  # differentiated in the elements that train only
+        p = spec.unflatten(spec.join(ft, flat[spec.train_size:]))
+        y, stats = llama.block_apply_stats(cfg, p, x, pos, window, seg)
         return y, None if stats is None else stats.probs
-      _, vjp = jax.vjp(f, flat, x)
+      _, vjp = jax.vjp(f, flat[:spec.train_size], x)
       g_flat, g_x = vjp((g, g_probs))
       return g_x, g_flat, all_finite(g_flat)
 
@@ -118,25 +119,34 @@ class Templates:
     def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, spec, window):
       layout = residuals.layout(cfg, spec, window, recompute, flat, x, pos, seg)
       g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
+      g_flat = g_flat[:spec.train_size]  # the frozen elements' part is not sent
       return g_x, g_flat, all_finite(g_flat)
 
     def loss(fh, fe, x, labels, mask):  # the head's loss sum from its flat units
       return head_loss_sum(cfg, head.unflatten(fh), embed.unflatten(fe) if tied else None,
                            x, labels, mask, chunk)
 
+    # Each unit is differentiated in the elements that train only (`FlatSpec.join`).
+    trained = lambda spec, flat: None if flat is None else flat[:spec.train_size]
+    whole = lambda spec, ft, flat: None if flat is None else spec.join(
+        ft, flat[spec.train_size:])
+
     def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
-      f = lambda fh, fe, x: loss(fh, fe, x, labels, mask)
-      loss_sum, vjp = jax.vjp(f, flat_h, flat_e, x)
+      f = lambda th, te, x: loss(whole(head, th, flat_h), whole(embed, te, flat_e), x,
+                                 labels, mask)
+      loss_sum, vjp = jax.vjp(f, trained(head, flat_h), trained(embed, flat_e), x)
       g_h, g_e, g_x = vjp(scale)
       return loss_sum, g_x, g_h, g_e, all_finite(g_h)
 
     def tail(flat_b, flat_h, flat_e, x, labels, mask, scale, pos, seg, spec, window):
       # The last layer and the head in one vjp: the layer's forward runs once, and
       # its residuals live only inside this call.
-      def f(fb, fh, fe, x):
-        y, _ = llama.block_apply_stats(cfg, spec.unflatten(fb), x, pos, window, seg)
-        return loss(fh, fe, y, labels, mask)
-      loss_sum, vjp = jax.vjp(f, flat_b, flat_h, flat_e, x)
+      def f(tb, th, te, x):
+        p = spec.unflatten(whole(spec, tb, flat_b))
+        y, _ = llama.block_apply_stats(cfg, p, x, pos, window, seg)
+        return loss(whole(head, th, flat_h), whole(embed, te, flat_e), y, labels, mask)
+      loss_sum, vjp = jax.vjp(f, trained(spec, flat_b), trained(head, flat_h),
+                              trained(embed, flat_e), x)
       g_b, g_h, g_e, g_x = vjp(scale)
       return loss_sum, g_x, g_h, g_e, all_finite(g_h), g_b, all_finite(g_b)
 

@@ -36,7 +36,7 @@ class UnitStore:
     self.keep_copy, self.ledger = keep_copy, ledger
     self._lock = threading.Lock()
     self._stream = ([transport.stage(host_opt.stream_copy(u))
-                     for u in range(len(host_opt.specs))] if keep_copy else None)
+                     for u in range(len(host_opt.store.specs))] if keep_copy else None)
     self._resident: dict[int, jax.Array] = {}
     self.resident_h2d_bytes = 0  # fetches of resident units, taken by each step
 
@@ -60,7 +60,7 @@ class UnitStore:
     """
     if self._stream is not None:
       return self.transport.h2d(self._stream[u])
-    return self.transport.h2d_cast(self.host_opt.parts[u], self.cd)
+    return self.transport.h2d_cast(self.host_opt.store.fetch_parts(u), self.cd)
 
   def resident(self, u: int) -> jax.Array | None:
     """A unit's device-resident copy.

@@ -13,23 +13,59 @@ import numpy as np
 class FlatSpec:
   """Maps a unit's parameter tree to a flat vector and back.
 
-  Leaves are laid out in `jax.tree` order, each C-contiguous. `unflatten` is
-  slices and reshapes, so it runs inside a jit at no cost beyond XLA's views.
+  The leaves that train come first, then the frozen ones (`trainable`), each group
+  in `jax.tree` order, each leaf C-contiguous; `train_size` elements train. So a
+  gradient, a master and the optimizer's view of a unit are the vector's first
+  `train_size` elements (`trained`), and a frozen leaf never needs a gradient.
+  `unflatten` is slices and reshapes, so it runs inside a jit at no cost beyond
+  XLA's views.
   """
 
-  def __init__(self, tree: Any):
+  def __init__(self, tree: Any, trainable: Any = None):
+    """The layout of `tree`.
+
+    Args:
+      tree: a unit's parameter tree (arrays or ShapeDtypeStructs).
+      trainable: a tree of bools of the same structure (None: every leaf trains).
+    """
     leaves, self.treedef = jax.tree.flatten(tree)
+    flags = [True] * len(leaves) if trainable is None else \
+        [bool(f) for f in self.treedef.flatten_up_to(trainable)]
+    self.order = [i for i, f in enumerate(flags) if f] + [i for i, f in enumerate(flags) if not f]
+    self.trains = tuple(flags)
     self.shapes = [tuple(np.shape(x)) for x in leaves]
     self.sizes = [math.prod(s) for s in self.shapes]
-    self.offsets = list(np.cumsum([0] + self.sizes[:-1]).astype(int))
+    offsets, at = [0] * len(leaves), 0
+    for i in self.order:
+      offsets[i], at = at, at + self.sizes[i]
+    self.offsets = offsets
     self.size = int(sum(self.sizes))
+    self.train_size = int(sum(n for n, f in zip(self.sizes, flags) if f))
 
   def __eq__(self, other):
     return (isinstance(other, FlatSpec) and self.treedef == other.treedef
-            and self.shapes == other.shapes)
+            and self.shapes == other.shapes and self.trains == other.trains)
 
   def __hash__(self):
-    return hash((self.treedef, tuple(self.shapes)))
+    return hash((self.treedef, tuple(self.shapes), self.trains))
+
+  @property
+  def frozen_size(self) -> int:
+    """Elements of the leaves that do not train."""
+    return self.size - self.train_size
+
+  def trained(self) -> "FlatSpec":
+    """The layout of the leaves that train alone: the unit's tree with a frozen
+    leaf's place empty (None), what its optimizer state and its update see.
+
+    Returns:
+      The `FlatSpec` of the first `train_size` elements.
+    """
+    if self.train_size == self.size:
+      return self
+    leaves = [jax.ShapeDtypeStruct(s, jnp.float32) if f else None
+              for s, f in zip(self.shapes, self.trains)]
+    return FlatSpec(self.treedef.unflatten(leaves))
 
   def flatten(self, tree: Any) -> jax.Array:
     """Tree -> flat vector (traceable).
@@ -38,10 +74,10 @@ class FlatSpec:
       tree: a tree of this layout.
 
     Returns:
-      Its leaves raveled and concatenated in `jax.tree` order.
+      Its leaves raveled and concatenated, trained ones first.
     """
     leaves = self.treedef.flatten_up_to(tree)
-    return jnp.concatenate([jnp.reshape(x, (-1,)) for x in leaves])
+    return jnp.concatenate([jnp.reshape(leaves[i], (-1,)) for i in self.order])
 
   def flatten_np(self, tree: Any, dtype=np.float32) -> np.ndarray:
     """Tree -> flat host vector, copying each leaf once into a fresh buffer.
@@ -81,3 +117,15 @@ class FlatSpec:
     leaves = [flat[off:off + n].reshape(shape)
               for off, n, shape in zip(self.offsets, self.sizes, self.shapes)]
     return self.treedef.unflatten(leaves)
+
+  def join(self, trained: Any, frozen: Any) -> Any:
+    """The unit's flat vector from its trained and frozen parts (traceable).
+
+    Args:
+      trained: the first `train_size` elements.
+      frozen: the rest (ignored when nothing is frozen).
+
+    Returns:
+      The whole vector.
+    """
+    return trained if self.train_size == self.size else jnp.concatenate([trained, frozen])

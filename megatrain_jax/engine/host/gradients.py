@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Sequence
 
 import jax
 
@@ -59,8 +59,15 @@ class UpdateClock:
   the listeners (the prefetch thread's `wake`).
   """
 
-  def __init__(self, n_units: int):
+  def __init__(self, n_units: int, frozen: Sequence[int] = ()):
+    """Every unit as of step 0.
+
+    Args:
+      n_units: the units.
+      frozen: units with nothing to update, always ready.
+    """
     self._done = [0] * n_units
+    self._frozen = frozenset(frozen)
     self._cond = threading.Condition()
     self._listeners: list[Callable[[], None]] = []
 
@@ -94,9 +101,10 @@ class UpdateClock:
       step: the step.
 
     Returns:
-      True once the unit's update of the step before is done.
+      True once the unit's update of the step before is done (always, for a unit
+      that does not train).
     """
-    return self._done[u] >= step - 1
+    return self._done[u] >= step - 1 or u in self._frozen
 
   def mark(self, units, step: int) -> None:
     """Records updates as done (applied or refused).
@@ -172,7 +180,7 @@ class GradientPipeline:
     self.host_opt, self.store, self.clock = host_opt, store, clock
     self.transport, self.ledger = transport, ledger
     self.defer, self.timeout_s, self.grad_hook = defer, timeout_s, grad_hook
-    self._finite_flags: list[list[jax.Array]] = [[] for _ in host_opt.specs]
+    self._finite_flags: list[list[jax.Array]] = [[] for _ in host_opt.store.specs]
     self.d2h_bytes = 0
     self.d2h_s = 0.0
     self.opt_s = 0.0
@@ -251,8 +259,8 @@ class GradientPipeline:
 
   def drop_gradients(self) -> None:
     """Forgets every accumulated gradient and finite flag (a skipped step)."""
-    self.host_opt.drop_gradients()
-    self._finite_flags = [[] for _ in self.host_opt.specs]
+    self.host_opt.store.drop_gradients()
+    self._finite_flags = [[] for _ in self.host_opt.store.specs]
 
   def close(self) -> BaseException | None:
     """Lets queued jobs finish and stops both threads.
@@ -287,10 +295,10 @@ class GradientPipeline:
       elif job.last and not self.defer:
         self._update_now(job)
       else:
-        self.host_opt.accumulate(job.unit, job.grad)
+        self.host_opt.store.accumulate(job.unit, job.grad)
         if not self.defer:  # deferred updates check the accumulated sums instead
           self._finite_flags[job.unit].append(job.finite)
-        self.host_opt.accum[job.unit].block_until_ready()
+        self.host_opt.store.accum[job.unit].block_until_ready()
     finally:
       self.opt_s += time.perf_counter() - t0
       with self._changed:
@@ -302,12 +310,12 @@ class GradientPipeline:
     flags, self._finite_flags[u] = [*self._finite_flags[u], job.finite], []
     try:
       if not guard.admit(u, flags):
-        self.host_opt.drop_gradient(u)
+        self.host_opt.store.take_gradient(u)  # refused: forgotten
         return
       new = self.host_opt.update_unit(u, job.grad, stream=self.store.keep_copy)
       guard.updated.append(u)
       # Done before the unit's next fetch is allowed (it reads the result).
-      jax.block_until_ready(new if new is not None else self.host_opt.parts[u])
+      jax.block_until_ready(new if new is not None else self.host_opt.store.parts[u])
       self.store.updated(u, new)
     finally:
       guard.first_done.set()
@@ -321,5 +329,5 @@ class GradientPipeline:
     try:
       self.host_opt.update_all(stream=self.store.keep_copy, on_unit=done)
     finally:
-      self.clock.mark(range(len(self.host_opt.specs)), step)
+      self.clock.mark(range(len(self.host_opt.store.specs)), step)
 

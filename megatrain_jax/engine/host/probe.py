@@ -23,10 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from megatrain_jax.engine.config import OPTIMIZER_MODES
+from megatrain_jax.engine.config import HOST_CHUNK, OPTIMIZER_MODES
+from megatrain_jax.engine.host.flat import FlatSpec
+from megatrain_jax.engine.host.updaters import (FusedAdamW, GlobalNormClip, OptaxUnits,
+                                                UnitUpdater, WholeTree)
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.optim import AdamW, ClipThen
 
 # Below this an update is taken as zero (fp32 loses relative precision near 1e-38).
 TINY = 1e-30
@@ -45,21 +47,57 @@ class Verdict(NamedTuple):
 
 
 class Resolution(NamedTuple):
-  """How the host runs a transform.
+  """How the host runs a transform: which `UnitUpdater`, on what.
 
   Attributes:
-    mode: "per_unit", "clipped" (global-norm clipping split per unit, then an
-      element-wise transform) or "whole_tree".
-    optimizer: the transform the host runs (the inner one in clipped mode).
-    max_norm: the clip in clipped mode, else None.
-    fused: whether the update is the fused AdamW on flat parts.
-    reason: why this mode.
+    kind: the updater class (`FusedAdamW`, `OptaxUnits` or `WholeTree`).
+    optimizer: the transform it runs (the inner one under a global-norm clip).
+    max_norm: the clip, run as `GlobalNormClip` around `kind`; else None.
+    reason: why.
   """
-  mode: str
+  kind: type
   optimizer: Any
-  max_norm: float | None
-  fused: bool
+  max_norm: float | None = None
   reason: str = ""
+
+  @property
+  def mode(self) -> str:
+    """"per_unit", "clipped" or "whole_tree"."""
+    return GlobalNormClip.mode if self.max_norm is not None else self.kind.mode
+
+  @property
+  def deferred(self) -> bool:
+    """Whether the updates wait for every gradient of the step."""
+    return self.max_norm is not None or self.kind.deferred
+
+  @property
+  def fused(self) -> bool:
+    """Whether the update is the fused AdamW."""
+    return self.kind.fused
+
+  def make(self, host_device: jax.Device, threads: int | None = None,
+           chunk: int = HOST_CHUNK, assemble: Callable = llama.assemble_units,
+           split: Callable = llama.split_units) -> UnitUpdater:
+    """The updater.
+
+    Args:
+      host_device: the CPU device the state lives on.
+      threads: threads of the fused AdamW (None: one per CPU).
+      chunk: elements per step of its loop.
+      assemble: unit trees -> the whole tree (a whole-tree update).
+      split: the whole tree -> unit trees.
+
+    Returns:
+      A `UnitUpdater`.
+    """
+    host = jax.sharding.SingleDeviceSharding(host_device)
+    if self.kind is WholeTree:
+      return WholeTree(host, self.optimizer, assemble, split)
+    if self.kind is FusedAdamW:
+      updater = FusedAdamW(host, self.optimizer.hyper, threads, chunk, self.max_norm)
+    else:
+      updater = OptaxUnits(host, self.optimizer, self.max_norm)
+    return updater if self.max_norm is None else GlobalNormClip(updater)
 
 
 def whole_model_units(cfg: LlamaConfig) -> tuple[Any, ...]:
@@ -179,8 +217,10 @@ def resolve_mode(optimizer: optax.GradientTransformation, unit_trees: Sequence[A
                  mode: str, assemble: Callable = llama.assemble_units) -> Resolution:
   """How the host runs `optimizer` under `EngineConfig.optimizer_mode=mode`.
 
-  `mt.optim.adamw` is per-unit and fused; `mt.optim.clip_by_global_norm` over an
-  element-wise transform is "clipped"; any other transform is probed.
+  An updater that names the transform runs it (`FusedAdamW` for `mt.optim.adamw`,
+  `GlobalNormClip` for `mt.optim.clip_by_global_norm` over an element-wise
+  transform); any other transform is probed: element-wise ones run per unit
+  (`OptaxUnits`), the rest on the whole tree (`WholeTree`).
 
   Args:
     optimizer: the transform.
@@ -198,39 +238,43 @@ def resolve_mode(optimizer: optax.GradientTransformation, unit_trees: Sequence[A
   if mode not in OPTIMIZER_MODES:
     raise ValueError(f"optimizer_mode={mode!r} is not one of {OPTIMIZER_MODES}.")
   if mode == "whole_tree":
-    return Resolution("whole_tree", optimizer, None, False, "set by hand")
+    return Resolution(WholeTree, optimizer, None, "set by hand")
   minis = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       tuple(min(d, 3) for d in x.shape), jnp.float32), t) for t in unit_trees]
-  if isinstance(optimizer, AdamW):
-    return Resolution("per_unit", optimizer, None, True, "mt.optim.adamw is element-wise")
-  if isinstance(optimizer, ClipThen):
+  if FusedAdamW.accepts(optimizer):
+    return Resolution(FusedAdamW, optimizer, None, "mt.optim.adamw is element-wise")
+  if GlobalNormClip.accepts(optimizer):
     inner = optimizer.inner
-    verdict = (Verdict(True, "mt.optim.adamw") if isinstance(inner, AdamW)
+    fused = FusedAdamW.accepts(inner)
+    verdict = (Verdict(True, "mt.optim.adamw") if fused
                else probe(inner, minis, assemble=assemble))
     if verdict.separable:
-      return Resolution("clipped", inner, optimizer.max_norm, isinstance(inner, AdamW),
+      return Resolution(FusedAdamW if fused else OptaxUnits, inner, optimizer.max_norm,
                         "global-norm clip split per unit over an element-wise transform")
   else:
     verdict = probe(optimizer, minis, assemble=assemble)
     if verdict.separable:
-      return Resolution("per_unit", optimizer, None, False, verdict.reason)
+      return Resolution(OptaxUnits, optimizer, None, verdict.reason)
   if mode == "per_unit":
     raise ValueError(
         f"optimizer_mode='per_unit' was set, but this transform cannot run unit by unit: "
         f"{verdict.reason}. Use optimizer_mode='auto' or 'whole_tree' (one update over "
         f"the whole tree after the backward). {FAST_PATH}")
-  return Resolution("whole_tree", optimizer, None, False, verdict.reason)
+  return Resolution(WholeTree, optimizer, None, verdict.reason)
 
 
 def resolve_for_config(optimizer: optax.GradientTransformation, cfg: LlamaConfig,
-                       mode: str) -> Resolution:
-  """`resolve_mode` over every unit of `cfg`, remembered per (transform, model, mode)
-  so that a preflight and the trainer probe a transform once.
+                       mode: str, trains: tuple[tuple[bool, ...], ...] | None = None
+                       ) -> Resolution:
+  """`resolve_mode` over every unit of `cfg` (the parameters that train),
+  remembered per (transform, model, mode, mask) so that a preflight and the trainer
+  probe a transform once.
 
   Args:
     optimizer: the transform.
     cfg: the model.
     mode: "auto", "per_unit" or "whole_tree".
+    trains: per unit, whether each leaf (in `jax.tree` order) trains (None: all).
 
   Returns:
     The `Resolution`.
@@ -239,11 +283,30 @@ def resolve_for_config(optimizer: optax.GradientTransformation, cfg: LlamaConfig
     ValueError: as `resolve_mode`.
   """
   try:
-    return _resolve_cached(optimizer, cfg, mode)
+    return _resolve_cached(optimizer, cfg, mode, trains)
   except TypeError:  # a transform that cannot be a cache key
-    return resolve_mode(optimizer, whole_model_units(cfg), mode)
+    return resolve_mode(optimizer, trained_units(cfg, trains), mode)
+
+
+def trained_units(cfg: LlamaConfig, trains: tuple[tuple[bool, ...], ...] | None
+                  ) -> tuple[Any, ...]:
+  """Every unit's abstract tree of the parameters that train (a frozen leaf's place
+  None), what the host update sees.
+
+  Args:
+    cfg: the model.
+    trains: per unit, whether each leaf trains (None: all).
+
+  Returns:
+    ShapeDtypeStruct trees, in unit order.
+  """
+  units = whole_model_units(cfg)
+  if trains is None:
+    return units
+  return tuple(FlatSpec(t, jax.tree.structure(t).unflatten(f)).trained().abstract()
+               for t, f in zip(units, trains))
 
 
 @functools.lru_cache(maxsize=32)
-def _resolve_cached(optimizer, cfg, mode) -> Resolution:
-  return resolve_mode(optimizer, whole_model_units(cfg), mode)
+def _resolve_cached(optimizer, cfg, mode, trains) -> Resolution:
+  return resolve_mode(optimizer, trained_units(cfg, trains), mode)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,19 +19,14 @@ import optax
 
 from megatrain_jax.engine.plan import sizes, workspace
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
-from megatrain_jax.engine.plan import program as program_lib
-from megatrain_jax.engine.plan import simulate as simulate_lib
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
 from megatrain_jax.engine.host.probe import resolve_for_config
 from megatrain_jax.engine.plan.schedule import Schedule
+from megatrain_jax.engine.plan.step_plan import StepPlan
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
 
 GiB = 2**30
-# Steps a plan simulates from a trainer just built: the first (nothing fetched
-# ahead, no gradient of a step before), then one more, which starts as every later
-# step does (tests/test_memory.py checks that more steps peak at the same figure).
-SIMULATED_STEPS = 2
 
 
 # -- host ---------------------------------------------------------------------------
@@ -101,9 +95,8 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   n = sum(counts)
   cd = jnp.dtype(ec.compute_dtype).itemsize
   r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
-  mode, inner = r.mode, r.optimizer
-  states = _state_bytes(cfg, inner)
-  deferred = mode in ("whole_tree", "clipped") or ec.nonfinite == "skip"
+  states = _state_bytes(cfg, r.optimizer)
+  deferred = r.deferred or ec.nonfinite == "skip"
   queued = (2 * MAX_PENDING_GRADIENTS + 1) * 4 * max(counts)
   copies = snapshot_copy_bytes(cfg, optimizer, ec)
   out = {
@@ -122,114 +115,13 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
 
 # -- device -------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class StepPlan:
-  """A batch shape's schedule, its step's operations and the device bytes they peak at.
-
-  Attributes:
-    schedule: the `Schedule`, with the start buffers and device checkpoints that fit.
-    peak: bytes by kind at the moment of the peak, and "total".
-    activations: where the checkpoints wait, "device" or "host" (resolved from
-      `EngineConfig.activations`).
-    host_checkpoint_bytes: the host memory the checkpoints sent there take.
-    bytes: the byte rules (`sizes.StepBytes`).
-    depth: `EngineConfig.prefetch_depth`.
-    grad_accum: micro-batches per step.
-    deferred: updates wait for the whole sweep.
-    keep: every layer keeps its residuals (recompute "dots" or "none").
-    pooled: kept residuals reuse pooled buffers (`sizes.pools_buffers`).
-    trains: whether each unit has a gradient (None: every unit).
-  """
-  schedule: Schedule
-  peak: dict[str, int] = dataclasses.field(compare=False)
-  activations: str
-  host_checkpoint_bytes: int
-  bytes: sizes.StepBytes
-  depth: int
-  grad_accum: int
-  deferred: bool = False
-  keep: bool = False
-  pooled: bool = False
-  trains: tuple[bool, ...] | None = None
-  structures: tuple[int, ...] = ()
-
-  @property
-  def sent_groups(self) -> tuple[int, ...]:
-    """Groups whose input a micro-batch sends to host memory.
-
-    Returns:
-      `schedule.host_groups()` with activations in host memory, else ().
-    """
-    return self.schedule.host_groups() if self.activations == "host" else ()
-
-  def program(self, update: bool = True, started: bool = True) -> program_lib.StepProgram:
-    """The operations of one step of this shape.
-
-    Args:
-      update: the step updates (`step`; else `loss_and_grads`).
-      started: its first fetches were queued by the step before.
-
-    Returns:
-      The `StepProgram`.
-    """
-    return _program(self, update, started)
-
-  def programs(self, steps: int = SIMULATED_STEPS) -> list[program_lib.StepProgram]:
-    """The operations of a trainer's first steps of this shape.
-
-    Args:
-      steps: how many.
-
-    Returns:
-      One `StepProgram` per step (the first without fetches started ahead).
-    """
-    return [self.program(started=i > 0) for i in range(steps)]
-
-  def simulate(self, steps: int = SIMULATED_STEPS, record: bool = False) -> Simulated:
-    """A trainer's first steps of this shape, under the modelled timing
-    (`plan.simulate`).
-
-    Args:
-      steps: how many.
-      record: also the timeline a real run forced into that timing follows.
-
-    Returns:
-      The peak by kind (and its "total"), and the timeline ([] without `record`).
-    """
-    peak, _ = _trace(dataclasses.replace(self, bytes=None), steps).peak(self.bytes)
-    timeline = (simulate_lib.timeline(self.programs(steps), self.bytes, self.depth,
-                                      self.structures) if record else [])
-    return Simulated(peak, timeline)
-
-
-class Simulated(NamedTuple):
-  """What `StepPlan.simulate` found: the peak by kind, and the timeline."""
-  peak: dict[str, int]
-  timeline: list
-
-
-@functools.lru_cache(maxsize=256)
-def _trace(shape: StepPlan, steps: int) -> simulate_lib.Trace:
-  """The ledger's changes, as byte rules: one per plan without its bytes, so that
-  every batch size of a search weighs the same trace."""
-  return simulate_lib.trace(shape.programs(steps), shape.depth, shape.structures)
-
-
-@functools.lru_cache(maxsize=1024)
-def _program(plan: StepPlan, update: bool, started: bool) -> program_lib.StepProgram:
-  return program_lib.step_program(
-      plan.schedule, plan.grad_accum, update=update, started=started,
-      deferred=plan.deferred, host_groups=plan.sent_groups, keep=plan.keep,
-      pooled=plan.pooled, trains=plan.trains)
-
-
 def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
               seq_len: int, platform: str | None = None, deferred: bool | None = None,
-              trains: tuple[bool, ...] | None = None, packed: bool | None = None
+              trains: tuple[int, ...] | None = None, packed: bool | None = None
               ) -> StepPlan:
   """The schedule, operations and device peak of a step on batches [batch_size, seq_len].
 
-  The peak is the largest total of the ledger over `SIMULATED_STEPS` steps of the
+  The peak is the largest total of the ledger over `step_plan.SIMULATED_STEPS` steps of the
   step's program from a trainer just built, under the modelled timing
   (`plan.simulate`: fetches as early as the slot rules allow, gradients and sent
   checkpoints leaving as late as the step allows). XLA's scratch inside one call
@@ -251,7 +143,7 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
     platform: the JAX platform the step runs on (None: this process's).
     deferred: updates wait for the whole sweep (a transform that needs the whole
       tree); None: only with `nonfinite="skip"`.
-    trains: whether each unit has a gradient (None: every unit).
+    trains: each unit's elements that train, a frozen unit 0 (None: all of them).
     packed: the batches carry packed-document ids, which can change what a layer
       keeps (None: the larger of both).
 
@@ -269,7 +161,7 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
       platform or ("cpu" if on_cpu_backend() else "gpu")) == "cpu"
   deferred = ec.nonfinite == "skip" if deferred is None else deferred or ec.nonfinite == "skip"
   return _step_plan(cfg, ec, batch_size, seq_len, pooled, deferred,
-                    None if trains is None or all(trains) else tuple(trains),
+                    None if trains is None else tuple(trains),
                     None if ec.recompute == "full" else packed)
 
 
@@ -360,7 +252,8 @@ def largest_fitting(fits, lo: int, hi: int) -> int:
 
 def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
                  seq_len: int, platform: str | None = None,
-                 deferred: bool | None = None) -> dict[str, int]:
+                 deferred: bool | None = None, plan: StepPlan | None = None
+                 ) -> dict[str, int]:
   """Device bytes of a step on batches of this shape, by kind, and their total:
   the ledger's peak (`step_plan`) plus one chunk of fp32 logits with its gradient,
   which lives inside the head's call, and one layer's backward scratch
@@ -374,13 +267,14 @@ def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
     platform: the platform the attention kernel is chosen for (None: this
       process's).
     deferred: as `step_plan`.
+    plan: the shape's `StepPlan`, when the caller has it (a trainer's own: its
+      frozen units, its batches' packing).
 
   Returns:
     Bytes by kind and "total".
   """
-  out = {k: v for k, v in step_plan(cfg, ec, batch_size, seq_len, platform,
-                                          deferred).peak.items()
-         if k != "total"}
+  plan = plan or step_plan(cfg, ec, batch_size, seq_len, platform, deferred)
+  out = {k: v for k, v in plan.peak.items() if k != "total"}
   b = batch_size // ec.grad_accum
   chunk = ec.loss_chunk_tokens or default_chunk_tokens(cfg.vocab_size, b * seq_len)
   out["logits_chunk"] = 2 * min(chunk, b * seq_len) * cfg.vocab_size * 4

@@ -124,6 +124,7 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
 
 def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any,
                global_sum: Callable[[float], float] = float, deferred: bool | None = None,
+               trains: tuple[int, ...] | None = None
                ) -> tuple[dict[str, Any], float, StepPlan]:
   """Checks a batch for a streaming step, and its shape against the device budget.
 
@@ -133,6 +134,7 @@ def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any,
     batch: {"input_ids", "labels", "loss_mask"}: this process's rows.
     global_sum: sums a number over the run's processes (`Transport.global_sum`).
     deferred: the trainer's updates wait for the sweep (`step_plan`).
+    trains: each unit's elements that train (`step_plan`; None: all of them).
 
   Returns:
     (the batch as host numpy arrays, the mask sum over every process's rows, its
@@ -155,9 +157,10 @@ def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any,
   total = global_sum(float(batch["loss_mask"].sum()))
   if total <= 0:
     raise ValueError("The batch's loss_mask is all zero: no token to train on.")
-  need = device_bytes(cfg, ec, b, t, deferred=deferred)
+  packed = "segment_ids" in batch or "positions" in batch
+  plan = step_plan(cfg, ec, b, t, deferred=deferred, packed=packed, trains=trains)
+  need = device_bytes(cfg, ec, b, t, deferred=deferred, plan=plan)
   if ec.device_budget_bytes is not None and need["total"] > ec.device_budget_bytes:
     raise device_budget_error(f"A step on batch [{b}, {t}]", need, ec.device_budget_bytes,
                               2**20)
-  packed = "segment_ids" in batch or "positions" in batch
-  return batch, total, step_plan(cfg, ec, b, t, deferred=deferred, packed=packed)
+  return batch, total, plan

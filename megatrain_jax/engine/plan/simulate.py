@@ -1,182 +1,60 @@
 """A step's program replayed under the timing the memory model assumes: the device peak.
 
-`simulate(programs, ...)` runs the operations of `plan.program` in order, with the
-other threads' work done where the *modelled timing* puts it. That timing is the
-worst case for device memory that a real run can reach: the device computes as
-late as it can, everything else moves as the engine lets it.
+`trace(programs, ...)` runs the operations of `plan.program` in order, with the
+other threads' work done where the *modelled timing* puts it: the worst case for
+device memory that a real run can reach. The device computes as late as it can,
+everything else moves as the engine lets it.
 
 - The device computes lazily: a call dispatched by the step's thread is done only
-  when something waits for it, a gradient's or a checkpoint's copy to the host,
-  or the prefetcher freeing a buffer when the step's thread itself waits on that
-  (its next unit needs the slot) or at the step's end. A released buffer stays on
-  the device until then.
+  when something waits for it (a gradient's or a checkpoint's copy to the host, or
+  the prefetcher freeing a buffer when the step's thread waits on that, or the
+  step's end); a released buffer stays on the device until then.
 - Transfers toward the device are instant: between two operations the prefetcher
   fetches everything the slot rules allow (`plan.slots`, the rules the prefetch
   thread runs), and reclaims a released buffer only when a fetch needs its slot
   (and its compute is done) or at the step's end.
-- Gradients leave as late as possible: one leaves when a new one finds the queue
-  full (`MAX_PENDING_GRADIENTS`), or when the step's thread waits for an update that
-  waits for it (a fetch of the next step, a resident unit, the step's verdict); its
-  unit's update is done the moment it has left.
+- Gradients leave as late as possible: when a new one finds the queue full
+  (`MAX_PENDING_GRADIENTS`), or the step's thread waits for an update that waits for
+  it (a fetch of the next step, a resident unit, the verdict); the update is then done.
 - A checkpoint sent to host memory leaves as late as possible (when the next one is
-  sent, or at the flush before the head), and one brought back arrives at once.
+  sent, or at the flush before the head); one brought back arrives at once.
 
 Where the device computes faster than that, the prefetcher frees released buffers
 sooner and fetches the next units into their slots, which may hold more bytes (a
 layer's slot taking the head, say). So the simulation also weighs, at each point,
-every dispatched call done at once there; where that goes higher, the worst case
-is the lazy timing with that one burst of compute, and that is what it replays.
+every dispatched call done at once there; where that goes higher, the worst case is
+the lazy timing with that one burst of compute.
 
 The order of events does not depend on the sizes: `trace` replays the operations
-once, with each ledger entry naming the byte rule it counts (a unit's bytes, a
-gradient's, an activation's, a layer's checkpoint), and `Trace.peak` weighs that
-order with a batch shape's `StepBytes`, so that the planner's searches over batch
-sizes replay nothing. The ledger has the same keys as the engine's
-(`device.ledger.kind` says their kinds); the peak is its largest total, by kind.
-A real run's ledger never holds more. With `record=True` it also returns the
-timeline: each operation's start and each event a real run must hold back to
-follow this timing (a gradient leaving, a checkpoint leaving, a compute being
-done), with the ledger and the update clock just before it. tests/pacing.py forces
-a real run through that timeline; its ledger then peaks at exactly this figure.
+once and returns a `plan.trace.Trace`, which a batch shape's bytes weigh. The ledger
+has the same keys as the engine's; the peak is its largest total, by kind. A real
+run's ledger never holds more. `timeline` gives each operation's start and each
+event a real run must be held back for to follow this timing, with the ledger and
+the update clock before it; tests/pacing.py forces a real run through it, and its
+ledger then peaks at exactly this figure.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 from typing import Sequence
 
 import numpy as np
 
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS
-from megatrain_jax.engine.device.ledger import KINDS, Key, kind
+from megatrain_jax.engine.device.ledger import Key, kind
+from megatrain_jax.engine.plan import ops
 from megatrain_jax.engine.plan import program as P
 from megatrain_jax.engine.plan.sizes import StepBytes
 from megatrain_jax.engine.plan.slots import RECLAIM, Fetch, Slots
-
-# The events of the timeline a real run must be held back for: a gradient's copy to
-# the host, a checkpoint's, and a compute that frees a released buffer.
-GATES = ("d2h", "offload", "compute")
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-  """One point of the timeline.
-
-  Attributes:
-    kind: "op" (the step's thread starts `op`) or one of `GATES`.
-    state: the ledger just before it: sorted (kind, bytes) of every entry.
-    clock: each unit's last step whose update is done, just before it.
-    op: the operation, for "op".
-  """
-  kind: str
-  state: tuple[tuple[str, int], ...]
-  clock: tuple[int, ...]
-  op: P.Op | None = None
-
-
-# The kinds, numbered for the trace.
-KIND_NAMES = tuple(sorted(set(KINDS.values())))
-_KIND = {k: i for i, k in enumerate(KIND_NAMES)}
-
-
-def symbols(n_units: int, n_layers: int) -> StepBytes:
-  """The byte rules as indices into `values(b)`: what a trace's entries name.
-
-  Args:
-    n_units: the model's units.
-    n_layers: its layers.
-
-  Returns:
-    A `StepBytes` whose every field holds its own index.
-  """
-  n = n_units
-  return StepBytes(tuple(range(n)), tuple(range(n, 2 * n)), 2 * n, 2 * n + 1,
-                   tuple(range(2 * n + 2, 2 * n + 2 + n_layers)))
-
-
-def values(b: StepBytes) -> np.ndarray:
-  """A batch shape's bytes, in the order `symbols` numbers them.
-
-  Args:
-    b: the byte rules.
-
-  Returns:
-    An int64 vector.
-  """
-  return np.array([*b.unit, *b.grad, b.tied_grad, b.act, *b.ckpt], np.int64)
-
-
-@dataclasses.dataclass(frozen=True)
-class Trace:
-  """The ledger's changes over the simulated steps, as rules, not bytes.
-
-  Attributes:
-    sign: +1 (added) or -1 (freed), per change.
-    rule: the byte rule each change counts (an index into `values`).
-    kinds: the kind of each change (an index into `KIND_NAMES`).
-    bursts: the changes of every burst of compute that could make the ledger go
-      higher, one after another, as (sign, rule, kind) arrays like the above.
-    burst_starts: where each burst begins in those arrays.
-    burst_points: the number of changes before each burst (where it branches off).
-  """
-  sign: np.ndarray
-  rule: np.ndarray
-  kinds: np.ndarray
-  bursts: tuple[np.ndarray, np.ndarray, np.ndarray]
-  burst_starts: np.ndarray
-  point_starts: np.ndarray
-  points: np.ndarray
-
-  def peak(self, b: StepBytes) -> tuple[dict[str, int], tuple[int, int] | None]:
-    """The largest total the ledger reaches with these bytes, and the burst of
-    compute that reaches it.
-
-    Args:
-      b: the byte rules.
-
-    Returns:
-      (bytes by kind at the peak, and "total"; (the burst, the index among its
-      points) it needs, or None when the lazy timing reaches it).
-    """
-    v = values(b)
-    delta = self.sign * v[self.rule]
-    total = np.concatenate([[0], np.cumsum(delta)])
-    at = int(np.argmax(total))
-    by = np.bincount(self.kinds[:at], weights=delta[:at], minlength=len(KIND_NAMES))
-    burst = None
-    if len(self.burst_starts):
-      sign, rule, kinds = self.bursts
-      d = sign * v[rule]
-      c = np.cumsum(d)
-      lengths = np.diff(np.append(self.burst_starts, len(d)))
-      base = c[self.burst_starts] - d[self.burst_starts]  # the sum before each burst
-      # Each burst branches off at several points: the highest of them counts.
-      branch = np.maximum.reduceat(total[self.points], self.point_starts)
-      heights = c - np.repeat(base, lengths) + np.repeat(branch, lengths)
-      j = int(np.argmax(heights))
-      if heights[j] > total[at]:
-        i = int(np.searchsorted(self.burst_starts, j, side="right") - 1)
-        ends = np.append(self.point_starts, len(self.points))
-        choices = self.points[ends[i]:ends[i + 1]]
-        k = int(np.argmax(total[choices]))
-        first, point = int(self.burst_starts[i]), int(choices[k])
-        by = (np.bincount(self.kinds[:point], weights=delta[:point],
-                          minlength=len(KIND_NAMES))
-              + np.bincount(kinds[first:j + 1], weights=d[first:j + 1],
-                            minlength=len(KIND_NAMES)))
-        burst = (i, k)
-    out = {k: int(by[i]) for i, k in enumerate(KIND_NAMES) if by[i]}
-    out["total"] = sum(out.values())
-    return out, burst
+from megatrain_jax.engine.plan.trace import KIND_INDEX, Entry, Trace, symbols, values
 
 
 class _Run:
   """The engine's parts, replayed: the ledger, the device's compute, the prefetcher's
   slots, the gradient queue and the update clock, the checkpoints leaving, the pool.
 
-  Ledger entries hold byte rules (`symbols`); with `values` given (to record a
-  timeline), states are weighed in bytes.
+  Ledger entries hold byte rules (`symbols`); `values` weighs them for a timeline.
   """
 
   def __init__(self, n_layers: int, n_units: int, hold: int, depth: int,
@@ -201,6 +79,7 @@ class _Run:
     self.queue: collections.deque = collections.deque()  # gradients not left yet
     self.updated = [0] * n_units  # per unit, the last step whose update is done
     self.updates = 0  # changes of `updated`
+    self.frozen: frozenset[int] = frozenset()  # units with no update: always ready
     self.first_update: dict[int, int] = {}  # step -> the unit of its first update
     self.outs: collections.deque = collections.deque()  # checkpoints still leaving
     self.pool: dict[int, list[Key]] = {}
@@ -216,14 +95,14 @@ class _Run:
     if key in self.live:
       self.remove(key)
     self.live[key] = rule
-    self.changes.append((1, rule, _KIND[kind(key)]))
+    self.changes.append((1, rule, KIND_INDEX[kind(key)]))
 
   def remove(self, key: Key) -> None:
     rule = self.live.pop(key, None)
     if rule is not None:
-      self.changes.append((-1, rule, _KIND[kind(key)]))
+      self.changes.append((-1, rule, KIND_INDEX[kind(key)]))
 
-  def mark(self, what: str, op: P.Op | None = None) -> None:
+  def mark(self, what: str, op: ops.Op | None = None) -> None:
     """A point of the timeline. Before an operation: the burst of compute the worst
     case puts there (`burst_at`), or, while tracing, the burst weighed there."""
     if what == "op":  # bursts at the start of an operation, where nothing is mid-way
@@ -272,7 +151,7 @@ class _Run:
   # -- the other threads -------------------------------------------------------
 
   def ready(self, u: int, tag: int) -> bool:
-    return self.updated[u] >= tag - 1
+    return self.updated[u] >= tag - 1 or u in self.frozen
 
   def settle(self) -> None:
     """The prefetch thread fetches and reclaims until its rules, or a compute not
@@ -378,13 +257,13 @@ class _Run:
       self.current, self.position = self.started.popleft(), 0
     return self.current
 
-  def run(self, op: P.Op, schedule, deferred: bool, last_m: int) -> None:
+  def run(self, op: ops.Op, schedule, deferred: bool, last_m: int) -> None:
     self.mark("op", op)
-    if isinstance(op, P.StartFetches):
+    if isinstance(op, ops.StartFetches):
       self.started.append(self.slots.new_job(
           schedule.fetch_order, self.step + op.ahead, schedule.limit,
           schedule.start_positions, schedule.tail_needs))
-    elif isinstance(op, P.Take):
+    elif isinstance(op, ops.Take):
       job = self._job()
       self.position += 1
       if self.depth:
@@ -400,18 +279,18 @@ class _Run:
         self._arrive(job, op.position)
       self.slots.taken(job.id, op.position)
       self.arrived.discard((job.id, op.position))
-    elif isinstance(op, P.UseResident):
+    elif isinstance(op, ops.UseResident):
       self.depart_until(lambda: self.ready(op.unit, self.step))
-    elif isinstance(op, P.Release):
+    elif isinstance(op, ops.Release):
       self.slots.release(("param", self.current.id, op.position), self.dispatched)
-    elif isinstance(op, P.JobDone):
+    elif isinstance(op, ops.JobDone):
       self.slots.job_done(self.current.id)
-    elif isinstance(op, P.Flush) or (isinstance(op, P.Checkpoint) and op.host):
+    elif isinstance(op, ops.Flush) or (isinstance(op, ops.Checkpoint) and op.host):
       self.send_out()
-    elif isinstance(op, P.SendGradient):
+    elif isinstance(op, ops.SendGradient):
       while len(self.queue) >= MAX_PENDING_GRADIENTS:
         self.depart()
-    elif isinstance(op, P.Settle):
+    elif isinstance(op, ops.Settle):
       if not op.update or op.deferred:
         self.depart_until(lambda: not self.queue)
         if op.update:
@@ -420,9 +299,9 @@ class _Run:
       elif self.step in self.first_update:
         first = self.first_update[self.step]
         self.depart_until(lambda: self.updated[first] >= self.step)
-    elif isinstance(op, P.Drain):
+    elif isinstance(op, ops.Drain):
       self.drain()
-    if isinstance(op, P.TEMPLATE_CALLS):
+    if isinstance(op, ops.TEMPLATE_CALLS):
       self.dispatched += 1
     for key, nbytes in op.effects(self.b):
       if nbytes is None:
@@ -432,28 +311,28 @@ class _Run:
     self._after(op, deferred, last_m)
     self.settle()
 
-  def _after(self, op: P.Op, deferred: bool, last_m: int) -> None:
+  def _after(self, op: ops.Op, deferred: bool, last_m: int) -> None:
     """What an operation leaves to the other threads."""
-    if isinstance(op, P.Checkpoint) and op.host:
+    if isinstance(op, ops.Checkpoint) and op.host:
       self.outs.append((("ckpt", op.m, op.group), self.dispatched))
-    elif isinstance(op, P.BlockForward) and op.pooled:
+    elif isinstance(op, ops.BlockForward) and op.pooled:
       free = self.pool.get(self.structures[op.layer])
       if free:
         self.remove(free.pop())
-    elif isinstance(op, P.BlockBackward) and op.pooled:
+    elif isinstance(op, ops.BlockBackward) and op.pooled:
       self.pooled += 1
       key = ("pool", self.pooled)
       self.pool.setdefault(self.structures[op.layer], []).append(key)
       self.add(key, self.b.ckpt[op.layer])
-    elif isinstance(op, P.Reload):
+    elif isinstance(op, ops.Reload):
       self.add(("ckpt", op.m, op.group), self.b.ckpt[op.group])
-    elif isinstance(op, P.SendGradient):
+    elif isinstance(op, ops.SendGradient):
       updates = op.m == last_m and not deferred
       if updates and self.step not in self.first_update:
         self.first_update[self.step] = op.unit
       self.queue.append((("grad", op.m, op.unit), op.unit, self.step, updates,
                          self.producer[op.unit]))
-    if isinstance(op, (P.Head, P.BlockBackward, P.EmbedBackward)):
+    if isinstance(op, (ops.Head, ops.BlockBackward, ops.EmbedBackward)):
       for key, nbytes in op.effects(self.b):
         if nbytes is not None and key[0] == "grad":
           self.producer[key[2]] = self.dispatched
@@ -508,9 +387,12 @@ def _replay(programs, depth, structures, vals=None, burst_at=None) -> _Run:
   s = programs[0].schedule
   run = _Run(s.n_layers, s.n_units, s.held, depth, structures, s.resident_units(), vals,
              burst_at)
+  # A unit that sends no gradient has no update to wait for.
+  sent = {op.unit for prog in programs for op in prog.ops if isinstance(op, ops.SendGradient)}
+  run.frozen = frozenset(range(s.n_units)) - sent
   for step, prog in enumerate(programs, 1):
     run.step = step
-    settle = next(op for op in prog.ops if isinstance(op, P.Settle))
+    settle = next(op for op in prog.ops if isinstance(op, ops.Settle))
     last_m = prog.grad_accum - 1 if settle.update else -1
     for op in prog.ops:
       run.run(op, prog.schedule, settle.deferred, last_m)

@@ -83,19 +83,22 @@ def unit_param_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
   return [cd * s for s in _sizes(cfg)]
 
 
-def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig) -> list[int]:
+def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig,
+                    trains: tuple[int, ...] | None = None) -> list[int]:
   """Bytes of each unit's gradient as it leaves the device.
 
   Args:
     cfg: the model.
     ec: the engine config (its compute dtype).
+    trains: each unit's elements that train (None: all of them).
 
   Returns:
-    One size per unit: the compute dtype, but fp32 for the embedding (its
-    scatter-add is done in fp32).
+    One size per unit, its elements that train: the compute dtype, but fp32 for
+    the embedding (its scatter-add is done in fp32).
   """
   cd = jnp.dtype(ec.compute_dtype).itemsize
-  return [s * (4 if u == 0 else cd) for u, s in enumerate(_sizes(cfg))]
+  counts = _sizes(cfg) if trains is None else trains
+  return [s * (4 if u == 0 else cd) for u, s in enumerate(counts)]
 
 
 def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
@@ -252,7 +255,7 @@ class StepBytes:
 
 
 def step_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int,
-               trains: tuple[bool, ...] | None = None, packed: bool | None = None
+               trains: tuple[int, ...] | None = None, packed: bool | None = None
                ) -> StepBytes:
   """The byte rules of a batch shape.
 
@@ -261,15 +264,17 @@ def step_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int
     ec: the engine config.
     batch_size: sequences per step.
     seq_len: tokens per sequence.
-    trains: whether each unit has a gradient (default: every unit).
+    trains: each unit's elements that train (None: all of them).
     packed: as `layer_checkpoint_bytes`.
 
   Returns:
     The `StepBytes`.
   """
   unit = unit_param_bytes(cfg, ec)
-  grad = [g if trains is None or trains[u] else 0
-          for u, g in enumerate(unit_grad_bytes(cfg, ec))]
-  return StepBytes(tuple(unit), tuple(grad), unit[0] if cfg.tie_embeddings else 0,
+  grad = unit_grad_bytes(cfg, ec, trains)
+  # The head's gradient for a tied embedding: its elements that train, computed as
+  # the head computes, in the compute dtype.
+  tied = (unit[0] if trains is None else trains[0] * jnp.dtype(ec.compute_dtype).itemsize)
+  return StepBytes(tuple(unit), tuple(grad), tied if cfg.tie_embeddings else 0,
                    activation_bytes(cfg, ec, batch_size, seq_len),
                    layer_checkpoint_bytes(cfg, ec, batch_size, seq_len, packed))

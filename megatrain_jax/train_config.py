@@ -1,0 +1,175 @@
+"""A training run's settings: `TrainConfig`, every field a flag of `experiments/train.py`."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from megatrain_jax import data as data_lib
+from megatrain_jax import hf
+from megatrain_jax.engine import EngineConfig, SimulatedLink
+from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig, preset
+
+ENGINES = ("streaming", "resident")
+DATA_FORMATS = ("text", "jsonl", *data_lib.INSTRUCT_FORMATS)
+
+
+def _field(default, help_text: str, **meta):
+  return dataclasses.field(default=default, metadata={"help": help_text, **meta})
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """One training run. The defaults are the README's main job (tiny model, stdlib).
+
+  Every field is a flag of `experiments/train.py` (its help below), and so is
+  every field of the nested `engine_config` (see `EngineConfig`).
+  """
+
+  workdir: str = _field("runs/default", "Output directory: metrics.jsonl, loss.png, "
+                        "checkpoints/. Rerunning with the same one resumes.")
+  model: Any = _field("tiny", "Model size: one of megatrain_jax.PRESETS (or a LlamaConfig "
+                      "from Python).")
+  engine: str = _field("streaming", "Trainer: the streaming engine, or the resident "
+                       "reference (the whole model on the device).", choices=ENGINES)
+  steps: int = _field(200, "Training steps.", low=1)
+  stop_after: int | None = _field(
+      None, "Stop after this many steps of this invocation, with a checkpoint (a cluster "
+      "job's time limit); the same command again continues the run.", low=1)
+  batch_size: Any = _field(16, "Sequences per step, or 'auto': the largest the planner "
+                           "says fits the device.", as_string=True)
+  seq_len: int = _field(128, "Tokens per sequence.", low=1)
+  lr: float = _field(3e-3, "Peak learning rate (warmup, then cosine decay).")
+  warmup_steps: int = _field(20, "Linear warmup steps.", low=0)
+  weight_decay: float = _field(0.01, "AdamW weight decay.", low=0)
+  data: str = _field(data_lib.STDLIB, "Comma-separated files/directories, or 'stdlib' "
+                     "(the Python standard library's source, no download).")
+  data_format: str = _field("text", "text: plain files (.jsonl by suffix); jsonl: "
+                            "{\"text\"} per line; alpaca; sharegpt.", choices=DATA_FORMATS)
+  overlong: str = _field("truncate", "Instruction records longer than seq_len + 1.",
+                         choices=data_lib.instruct.OVERLONG)
+  pack: bool | None = _field(None, "Pack several documents into each sequence, kept apart "
+                             "by segment ids (attention stays within a document, positions "
+                             "restart). Default: on for alpaca/sharegpt, off for text.")
+  attention_block: int | None = _field(
+      None, "Attention in blocks of this many tokens (blockwise, or cuDNN's fused kernel "
+      "on a GPU in bf16): memory grows with seq_len, not its square. Default: the "
+      "model's.", low=1)
+  mlp_chunk: int | None = _field(
+      None, "Run each dense layer's feed-forward this many tokens at a time, bounding "
+      "its workspace at long seq_len. Default: the model's.", low=1)
+  max_data_bytes: int | None = _field(4_000_000, "Stop reading data after this many "
+                                      "bytes.", low=1)
+  hf_model_dir: str | None = _field(None, "Hugging Face Llama/Qwen2/Mistral checkpoint "
+                                    "directory to fine-tune (config, safetensors, tokenizer).")
+  export_dir: str | None = _field(None, "Write the trained model here in Hugging Face "
+                                  "format.")
+  seed: int = _field(0, "Seed for init and data order.")
+  log_every: int = _field(10, "Log every N steps.", low=1)
+  save_every: int = _field(100, "Checkpoint every N steps and at the end (0: never).",
+                           low=0)
+  keep: int = _field(2, "Complete checkpoints to keep.", low=1)
+  host_memory_limit_bytes: int | None = _field(
+      None, "Host memory the preflight may plan for (default: what the kernel reports "
+      "available).", size=True, low=1)
+  simulated_link_gb_per_s: float | None = _field(
+      None, "Streaming: move bytes through a simulated link of this bandwidth "
+      "(SimulatedLink), to study overlap on a CPU.", low=0)
+  progress: bool = _field(True, "Show a progress bar on a terminal.")
+  engine_config: EngineConfig = _field(EngineConfig(), "The streaming engine's settings.",
+                                       flag=False)
+
+  # Settings a resumed run must share with the run that wrote the checkpoint.
+  RESUME_FIELDS = ("engine", "steps", "batch_size", "seq_len", "lr", "warmup_steps",
+                   "weight_decay", "data", "data_format", "overlong", "max_data_bytes",
+                   "seed", "hf_model_dir")
+
+  def model_config(self) -> LlamaConfig:
+    """The model.
+
+    Returns:
+      The checkpoint's config with --hf_model_dir, else the preset (or the config),
+      with --attention_block and --mlp_chunk when given.
+    """
+    if self.hf_model_dir:
+      cfg = hf.read_config(self.hf_model_dir)[0]
+    else:
+      cfg = preset(self.model) if isinstance(self.model, str) else self.model
+    return cfg.replace(**self.compute())
+
+  def compute(self) -> dict[str, int]:
+    """The model settings given by flags that change how it computes, not what.
+
+    Returns:
+      --attention_block and --mlp_chunk, those given.
+    """
+    return {k: getattr(self, k) for k in COMPUTE_FIELDS if getattr(self, k) is not None}
+
+  def packs(self) -> bool:
+    """Whether the data is packed.
+
+    Returns:
+      --pack, or when unset whether the data is instruction data.
+    """
+    return self.data_format in data_lib.INSTRUCT_FORMATS if self.pack is None else self.pack
+
+  def streaming_config(self) -> EngineConfig:
+    """The streaming engine's config for this run.
+
+    Returns:
+      `engine_config`, with a `SimulatedLink` when --simulated_link_gb_per_s is set.
+    """
+    if self.simulated_link_gb_per_s:
+      return dataclasses.replace(self.engine_config,
+                                 transport=SimulatedLink(self.simulated_link_gb_per_s))
+    return self.engine_config
+
+  def tokenizer(self):
+    """The checkpoint's tokenizer.json with --hf_model_dir, else the byte tokenizer."""
+    if self.hf_model_dir and os.path.exists(os.path.join(self.hf_model_dir, "tokenizer.json")):
+      return data_lib.HFTokenizer(self.hf_model_dir)
+    return data_lib.ByteTokenizer()
+
+  def validate(self) -> None:
+    """Checks the fields against each other and the model.
+
+    Raises:
+      ValueError: a field out of range, naming the flag and what to change.
+    """
+    for f in dataclasses.fields(self):
+      value, meta = getattr(self, f.name), f.metadata
+      if "choices" in meta and value not in meta["choices"]:
+        raise ValueError(f"--{f.name}={value!r} is not one of {meta['choices']}.")
+      if "low" in meta and value is not None and isinstance(value, (int, float)) \
+          and value < meta["low"]:
+        raise ValueError(f"--{f.name} must be >= {meta['low']}, got {value}.")
+    if os.path.exists(self.workdir) and not os.path.isdir(self.workdir):
+      raise ValueError(f"--workdir={self.workdir} is a file; give a directory (it is "
+                       "created if missing).")
+    cfg = self.model_config()
+    if self.hf_model_dir:  # every tensor against config.json, from the file headers
+      hf.check_checkpoint(self.hf_model_dir, cfg)
+    ec = self.engine_config
+    if self.batch_size == "auto":
+      if self.engine != "streaming":
+        raise ValueError("--batch_size=auto plans for the streaming engine; give a number "
+                         "with --engine=resident.")
+    elif isinstance(self.batch_size, bool) or not isinstance(self.batch_size, int) \
+        or self.batch_size <= 0:
+      raise ValueError(f"--batch_size must be a positive integer or 'auto', got "
+                       f"{self.batch_size!r}.")
+    if self.engine == "resident" and ec.nonfinite != "raise":
+      raise ValueError("--nonfinite=skip needs --engine=streaming; the resident trainer "
+                       "raises on a non-finite step (and changes nothing).")
+    if self.seq_len > cfg.max_seq_len:
+      raise ValueError(f"--seq_len={self.seq_len} exceeds the model's max_seq_len="
+                       f"{cfg.max_seq_len}; lower --seq_len or pick a larger --model.")
+    split = ec.grad_accum * max(ec.data_parallel, 1)
+    if self.engine == "streaming" and self.batch_size != "auto" \
+        and self.batch_size % split:
+      raise ValueError(f"--batch_size={self.batch_size} is not divisible by "
+                       f"--grad_accum={ec.grad_accum} x --data_parallel="
+                       f"{max(ec.data_parallel, 1)}: make it a multiple of {split}.")
+    if not self.lr > 0:
+      raise ValueError(f"--lr must be positive, got {self.lr}.")
