@@ -82,8 +82,10 @@ class Executor:
       on_op: `on_op(op)` is called on this thread before each operation runs.
     """
     self.rt, self.tpl, self.on_op = rt, tpl, on_op
-    # One method per operation kind, named after it: a kind without one fails here.
-    self._run = {cls: getattr(self, "_" + cls.__name__) for cls in ops.Op.__subclasses__()}
+    # One method per operation kind of `plan.ops`, named after it: a kind without one
+    # fails here.
+    self._run = {cls: getattr(self, "_" + cls.__name__) for cls in ops.Op.__subclasses__()
+                 if cls.__module__ == ops.__name__}
 
   def run(self, plan: StepPlan, prog: P.StepProgram, batch: dict[str, Any], total: float,
           guard: StepGuard) -> Outcome:
