@@ -82,16 +82,6 @@ class StepProgram:
     """
     return self.count(Reload)
 
-  def forwards_recomputed(self) -> int:
-    """Layer forwards a step runs again for its backward: a group's recomputed
-    inputs, and each full-recompute backward's own forward.
-
-    Returns:
-      Their number, over every micro-batch.
-    """
-    return self.count(Recompute) + sum(isinstance(op, BlockBackward) and not op.kept
-                                       for op in self.ops)
-
 
 def micro_ops(s: Schedule, m: int, *, last: bool, started: bool, host_groups=(),
               keep: bool = False, pooled: bool = False, trains=None) -> list[Op]:
