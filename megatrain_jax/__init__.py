@@ -2,7 +2,7 @@
 
 `import megatrain_jax as mt` gives the models, both trainers and the engine; the
 modules that pull in more (`mt.hf`, `mt.checkpoint`, `mt.planner`, `mt.train`,
-`mt.bench`, `mt.figures`) load on first use.
+`mt.bench`, `mt.figures`, `mt.lora`) load on first use.
 """
 
 import importlib
@@ -15,7 +15,7 @@ from megatrain_jax.engine import (DeviceTransport, EngineConfig, MeshTransport, 
 from megatrain_jax import data, engine, metrics, models, optim
 
 __version__ = "0.1.0"
-_LAZY = ("hf", "checkpoint", "planner", "train", "bench", "figures")
+_LAZY = ("hf", "checkpoint", "planner", "train", "bench", "figures", "lora")
 
 
 def __getattr__(name):

@@ -21,10 +21,12 @@ import os
 import shutil
 from typing import Any, Iterator, Mapping
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from absl import logging
+from flax import nnx
 
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.models import llama
@@ -32,14 +34,19 @@ from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig
 from megatrain_jax.models.llama import Llama, Params
 from megatrain_jax.hf_config import (ARCHITECTURES, NO_MATH_KEYS, config_from_hf,
                                      hf_config, read_config)
+from megatrain_jax.hf_lora import (load_adapter, read_adapter_config, save_adapter,
+                                   with_adapters)
 from megatrain_jax.hf_names import (block_tensor_names, set_leaf, stack_slices, tree_get,
                                     unit_names)
+from megatrain_jax.models import lora as lora_lib
+from megatrain_jax.models.params import adapter_key, unit_key
 from megatrain_jax.resident import ResidentTrainer
 from megatrain_jax.safetensors_reader import TensorInfo, checkpoint_tensors, read_tensor
 
 __all__ = ["ARCHITECTURES", "NO_MATH_KEYS", "block_tensor_names", "check_checkpoint",
-           "config_from_hf", "from_pretrained", "hf_config", "load_units", "read_config",
-           "save_pretrained", "streaming_trainer", "tree_get"]
+           "config_from_hf", "from_pretrained", "hf_config", "load_adapter", "load_units",
+           "read_adapter_config", "read_config", "save_adapter", "save_pretrained",
+           "streaming_trainer", "tree_get"]
 
 
 # -- reading ----------------------------------------------------------------------
@@ -165,7 +172,9 @@ def _config(local_dir: str, compute: Mapping[str, Any] | None):
 
 def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
                       config: EngineConfig | None = None,
-                      compute: Mapping[str, Any] | None = None, **kw) -> StreamingTrainer:
+                      compute: Mapping[str, Any] | None = None, *,
+                      lora: lora_lib.LoraConfig | None = None, adapter_dir: str | None = None,
+                      key: jax.Array | None = None, **kw) -> StreamingTrainer:
   """A `StreamingTrainer` over a checkpoint of any architecture in `ARCHITECTURES`, loaded unit by unit
   into the host store (the model is never whole on the device).
 
@@ -175,18 +184,36 @@ def streaming_trainer(local_dir: str, optimizer: optax.GradientTransformation,
     config: the engine config.
     compute: config fields that change how the model computes, not what
       (`models.config.COMPUTE_FIELDS`, e.g. {"attention_block": 512}).
-    **kw: passed to `StreamingTrainer.from_units` (e.g. grad_hook).
+    lora: fresh LoRA adapters on the checkpoint (`models.lora`), drawn from `key`.
+    adapter_dir: a PEFT adapter to start from (its adapter_config.json says the
+      rank and targets); not with `lora`.
+    key: the fresh adapters' PRNG key (default: key 0).
+    **kw: passed to `StreamingTrainer.from_units` (e.g. grad_hook, trainable). With
+      adapters, `trainable` defaults to them (`nnx.LoRAParam`): the base is kept
+      frozen in `EngineConfig.frozen_dtype`, no fp32 copy of it ever made whole.
 
   Returns:
     The trainer.
 
   Raises:
-    ValueError, FileNotFoundError: a config or checkpoint that cannot be read (see
-      `read_config`, `check_checkpoint`).
+    ValueError, FileNotFoundError: a config, checkpoint or adapter that cannot be read
+      (see `read_config`, `check_checkpoint`, `read_adapter_config`).
   """
   cfg, arch = _config(local_dir, compute)
-  return StreamingTrainer.from_units(cfg, optimizer, config, load_units(local_dir, cfg, arch),
-                                     **kw)
+  units = load_units(local_dir, cfg, arch)
+  if lora is not None and adapter_dir is not None:
+    raise ValueError("Pass lora= (fresh adapters) or adapter_dir= (a PEFT adapter), not both.")
+  if lora is not None:
+    cfg = cfg.replace(lora=lora)
+    base = jax.random.key(0) if key is None else key
+    units = (tree if not 0 < u <= cfg.n_layers else lora_lib.init_adapters(
+        lora, tree, adapter_key(unit_key(base, "block", u - 1))) for u, tree in enumerate(units))
+  elif adapter_dir is not None:
+    cfg = cfg.replace(lora=read_adapter_config(adapter_dir))
+    units = with_adapters(cfg, units, adapter_dir)
+  if cfg.lora is not None:
+    kw.setdefault("trainable", nnx.LoRAParam)
+  return StreamingTrainer.from_units(cfg, optimizer, config, units, **kw)
 
 
 def from_pretrained(local_dir: str, dtype=jnp.float32,
@@ -215,7 +242,7 @@ def from_pretrained(local_dir: str, dtype=jnp.float32,
 
 # -- writing ----------------------------------------------------------------------
 
-def _unit_trees(obj) -> Iterator[Params]:
+def unit_trees(obj) -> Iterator[Params]:
   """Unit trees of a Llama, a StreamingTrainer (read one unit at a time), a
   ResidentTrainer or a whole parameter tree."""
   if isinstance(obj, Llama):
@@ -235,7 +262,8 @@ def _unit_trees(obj) -> Iterator[Params]:
 
 def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
                     architecture: str | None = None, max_shard_bytes: int = 4 * 2**30,
-                    extra_config: dict[str, Any] | None = None) -> None:
+                    extra_config: dict[str, Any] | None = None,
+                    merge_lora: bool = False) -> None:
   """Writes config.json and fp32 safetensors that `transformers` loads.
 
   Units are read one at a time, so a trainer's host store is never copied whole.
@@ -249,8 +277,22 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     max_shard_bytes: above this the weights are sharded, with
       model.safetensors.index.json.
     extra_config: a source config.json (token ids and such are kept).
+    merge_lora: fold LoRA adapters into the kernels (`merge_and_unload` in PEFT);
+      a model with adapters needs it (or `save_adapter` for the adapters alone).
+
+  Raises:
+    ValueError: the model has adapters and `merge_lora` is False.
   """
   from safetensors.numpy import save_file
+  units = unit_trees(model_or_trainer)
+  if cfg.lora is not None:
+    if not merge_lora:
+      raise ValueError("The model has LoRA adapters, which a plain checkpoint has no place "
+                       "for: pass merge_lora=True to fold them into the weights, or write "
+                       "them alone with mt.hf.save_adapter.")
+    scale, paths = cfg.lora.scale, cfg.lora.paths()
+    units = (_merged_unit(t, paths, scale) for t in units)
+    cfg = cfg.replace(lora=None)
   os.makedirs(out_dir, exist_ok=True)
   config = hf_config(cfg, architecture, extra_config)
   written: list[list[str]] = []  # tensor names of each full shard on disk
@@ -266,7 +308,7 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     size = 0
 
   names_of = unit_names(cfg, config["model_type"])
-  for names, tree in zip(names_of, _unit_trees(model_or_trainer), strict=True):
+  for names, tree in zip(names_of, units, strict=True):
     for name, (path, transpose) in names.items():
       x = np.asarray(tree_get(tree, path), np.float32)
       x = np.ascontiguousarray(x.T) if transpose else x
@@ -292,13 +334,23 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
                max(1, len(written)))
 
 
+def _merged_unit(tree: Params, paths, scale: float) -> Params:
+  """A unit tree with its adapters (if any) folded into their kernels."""
+  out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+  for part, name in paths:
+    if part in out and name in out[part] and "lora_a" in out[part][name]:
+      out[part][name] = {k: np.asarray(v) for k, v in
+                         lora_lib.merged(out[part][name], scale).items()}
+  return out
+
+
 # Files of a source checkpoint that a fine-tuned export carries over unchanged.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
                    "special_tokens_map.json", "generation_config.json")
 
 
 def export(model_or_trainer, cfg: LlamaConfig, out_dir: str,
-           source_dir: str | None = None) -> None:
+           source_dir: str | None = None, merge_lora: bool = False) -> None:
   """`save_pretrained`, keeping a source checkpoint's architecture, config entries
   and tokenizer files (a fine-tuned model that loads like its source).
 
@@ -307,9 +359,11 @@ def export(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     cfg: the model.
     out_dir: where to write.
     source_dir: the Hugging Face checkpoint the model was fine-tuned from, if any.
+    merge_lora: as `save_pretrained`.
   """
   arch, extra = (read_config(source_dir)[1:] if source_dir else (None, None))
-  save_pretrained(model_or_trainer, cfg, out_dir, architecture=arch, extra_config=extra)
+  save_pretrained(model_or_trainer, cfg, out_dir, architecture=arch, extra_config=extra,
+                  merge_lora=merge_lora)
   for name in TOKENIZER_FILES if source_dir else ():
     src = os.path.join(source_dir, name)
     if os.path.exists(src):

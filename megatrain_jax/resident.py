@@ -13,6 +13,7 @@ import optax
 from megatrain_jax.engine.host.state import Snapshot, static_snapshot
 from megatrain_jax.models.batch import check_batch
 from megatrain_jax.models.llama import Llama
+from megatrain_jax.models import lora
 from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.loss import model_loss
 from megatrain_jax.models.trainable import Filter
@@ -57,12 +58,12 @@ class ResidentTrainer:
   def _whole(self, params, frozen):
     return params if self._mask is None else trainable_lib.merge(params, frozen, self._mask)
 
-  def _loss(self, params, frozen, batch):
+  def _loss(self, params, frozen, batch, keys=None):
     return model_loss(self.cfg, self._whole(params, frozen), batch, self.compute_dtype,
-                      self._chunk, self.remat)
+                      self._chunk, self.remat, keys)
 
-  def _step_fn(self, params, opt_state, frozen, batch):
-    loss, grads = jax.value_and_grad(self._loss)(params, frozen, batch)
+  def _step_fn(self, params, opt_state, frozen, batch, keys):
+    loss, grads = jax.value_and_grad(self._loss)(params, frozen, batch, keys)
     updates, new_state = self.optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     grad_norm = optax.global_norm(grads)
@@ -72,12 +73,14 @@ class ResidentTrainer:
     return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
             {"loss": loss, "grad_norm": grad_norm})
 
-  def step(self, batch: dict[str, Any]) -> dict[str, float]:
+  def step(self, batch: dict[str, Any], key: jax.Array | None = None) -> dict[str, float]:
     """One step; a non-finite loss or gradient raises FloatingPointError and
     changes nothing.
 
     Args:
       batch: the batch, in the format of `check_batch`.
+      key: the step's PRNG key, for LoRA dropout (`LoraConfig.dropout`); sequence r
+        of the batch draws its masks from `fold_in(key, r)`.
 
     Returns:
       {"loss", "grad_norm", "tokens"}: the loss, the gradient's global norm and the
@@ -86,11 +89,13 @@ class ResidentTrainer:
     Raises:
       FloatingPointError: the loss or the gradient norm is NaN or infinite.
       TypeError: the batch is not a mapping (see `check_batch`).
-      ValueError: a malformed batch (see `check_batch`).
+      ValueError: a malformed batch (see `check_batch`), or LoRA dropout without
+        a key.
     """
     batch = check_batch(self.cfg, batch)
+    lora.check_key(self.cfg.lora, key)
     self._params, self._opt_state, metrics = self._jit_step(
-        self._params, self._opt_state, self._frozen, batch)
+        self._params, self._opt_state, self._frozen, batch, self._keys(batch, key))
     out = {k: float(v) for k, v in metrics.items()}
     if not (math.isfinite(out["loss"]) and math.isfinite(out["grad_norm"])):
       what = "loss" if not math.isfinite(out["loss"]) else "gradient norm"
@@ -101,14 +106,23 @@ class ResidentTrainer:
     out["tokens"] = float(batch["loss_mask"].sum())
     return out
 
-  def loss_and_grads(self, batch: dict[str, Any]):
+  def loss_and_grads(self, batch: dict[str, Any], key: jax.Array | None = None):
     """(loss, gradient tree as numpy) at the current parameters; no update.
 
     Args:
       batch: the batch, in the format of `check_batch`.
+      key: as `step`.
     """
-    loss, grads = self._jit_grad(self._params, self._frozen, check_batch(self.cfg, batch))
+    batch = check_batch(self.cfg, batch)
+    lora.check_key(self.cfg.lora, key)
+    loss, grads = self._jit_grad(self._params, self._frozen, batch, self._keys(batch, key))
     return float(loss), jax.tree.map(np.asarray, grads)
+
+  def _keys(self, batch, key):
+    """LoRA dropout's per-sequence keys, or None without dropout."""
+    if key is None or self.cfg.lora is None or not self.cfg.lora.dropout:
+      return None
+    return lora.sequence_keys(key, np.arange(batch["input_ids"].shape[0]))
 
   def params(self) -> dict[str, Any]:
     """The current parameters.

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from megatrain_jax.engine.device.templates import Templates
 from megatrain_jax.engine.nonfinite import Bad, StepGuard
@@ -28,7 +29,7 @@ from megatrain_jax.engine.plan import ops
 from megatrain_jax.engine.plan import program as P
 from megatrain_jax.engine.plan.memory import StepPlan
 from megatrain_jax.engine.runtime import Runtime
-from megatrain_jax.models import moe
+from megatrain_jax.models import lora, moe
 
 OpHook = Callable[[ops.Op], None]
 
@@ -37,7 +38,7 @@ OpHook = Callable[[ops.Op], None]
 class Micro:
   """What one micro-batch's operations hand each other."""
   batch: dict[str, Any]  # its device inputs
-  extra: dict[str, Any]  # positions and segment ids, if packed
+  extra: dict[str, Any]  # positions and segment ids, if packed; LoRA dropout's keys
   buffers: dict[int, tuple] = dataclasses.field(default_factory=dict)  # position -> (array, key)
   unit_at: dict[int, int] = dataclasses.field(default_factory=dict)  # unit -> its last position
   x: Any = None  # the running activation
@@ -88,7 +89,7 @@ class Executor:
                  if cls.__module__ == ops.__name__}
 
   def run(self, plan: StepPlan, prog: P.StepProgram, batch: dict[str, Any], total: float,
-          guard: StepGuard) -> Outcome:
+          guard: StepGuard, key: jax.Array | None = None) -> Outcome:
     """Runs every operation of a step.
 
     Args:
@@ -97,6 +98,7 @@ class Executor:
       batch: the whole batch, host arrays.
       total: the batch's mask sum.
       guard: the step's guard.
+      key: the step's LoRA dropout key (None: no dropout).
 
     Returns:
       The `Outcome`.
@@ -114,7 +116,7 @@ class Executor:
         if op.m != self.m and op.m < prog.grad_accum:
           self.m = op.m
           lo, hi = op.m * rows // prog.grad_accum, (op.m + 1) * rows // prog.grad_accum
-          self.micro = self._inputs({k: v[lo:hi] for k, v in batch.items()})
+          self.micro = self._inputs({k: v[lo:hi] for k, v in batch.items()}, key, lo)
         if self.on_op is not None:
           self.on_op(op)
         self._run[type(op)](op)
@@ -122,11 +124,15 @@ class Executor:
     finally:  # no device array of the step stays alive here, whatever happened
       self.micro, self.sums, self.guard = None, [], None
 
-  def _inputs(self, micro: dict[str, Any]) -> Micro:
+  def _inputs(self, micro: dict[str, Any], key, row0: int) -> Micro:
     to = self.rt.transport.to_device
     self.input_bytes += sum(v.nbytes for v in micro.values())
-    return Micro({k: to(micro[k]) for k in ("input_ids", "labels", "loss_mask")},
-                 {k: to(micro[k]) for k in ("positions", "segment_ids") if k in micro})
+    extra = {k: to(micro[k]) for k in ("positions", "segment_ids") if k in micro}
+    if key is not None:  # each sequence's masks from its row of the whole batch
+      rows = np.arange(row0, row0 + micro["input_ids"].shape[0])
+      extra["dropout_keys"] = to(np.asarray(jax.random.key_data(
+          lora.sequence_keys(key, rows))))
+    return Micro({k: to(micro[k]) for k in ("input_ids", "labels", "loss_mask")}, extra)
 
   def _apply(self, op: ops.Op, *arrays) -> None:
     self.rt.ledger.apply(op.effects(self.plan.bytes), arrays)

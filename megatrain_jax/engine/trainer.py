@@ -24,7 +24,7 @@ from megatrain_jax.engine.health import Health
 from megatrain_jax.engine.runtime import shutdown_quietly
 from megatrain_jax.engine.execute import Executor, OpHook, Outcome
 from megatrain_jax.engine.host.state import Snapshot
-from megatrain_jax.models import llama
+from megatrain_jax.models import llama, lora
 from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.config import LlamaConfig
 
@@ -122,7 +122,7 @@ class StreamingTrainer:
     self._steps = 0
     self._next_started: memory.StepPlan | None = None  # the plan fetched ahead for
 
-  def step(self, batch: dict[str, Any]) -> dict[str, Any]:
+  def step(self, batch: dict[str, Any], key: jax.Array | None = None) -> dict[str, Any]:
     """One optimizer step.
 
     It returns once its backward is dispatched and its first update has decided: the
@@ -131,6 +131,9 @@ class StreamingTrainer:
 
     Args:
       batch: {"input_ids", "labels", "loss_mask"}, each [B, T].
+      key: the step's PRNG key, for LoRA dropout (`LoraConfig.dropout`); sequence r
+        of the batch draws its masks from `fold_in(key, r)`, as in `ResidentTrainer`,
+        whatever `grad_accum`.
 
     Returns:
       {"loss", "tokens", "step_time_s"}, and "skipped": True for a non-finite step
@@ -140,15 +143,16 @@ class StreamingTrainer:
       FloatingPointError: a NaN or infinite loss or gradient (`nonfinite="raise"`),
         naming the step and the first unit found; docs/reliability.md says what
         state that leaves.
-      ValueError: a bad batch, or one over the device budget.
+      ValueError: a bad batch, or one over the device budget, or LoRA dropout
+        without a key.
       RuntimeError: the trainer is invalid or closed.
     """
-    batch, total, plan = self._prepare(batch)
+    batch, total, plan = self._prepare(batch, key)
     rt, t0, before = self._rt, time.perf_counter(), self._rt.start_step()
     guard = nonfinite.StepGuard(step=self._steps + 1,
                                 prev=None if rt.defer else self._health.late)
     try:
-      run = self._sweep(batch, total, plan, guard, update=True)
+      run = self._sweep(batch, total, plan, guard, update=True, key=key)
     except BaseException as e:
       self._health.fail(e)
       raise
@@ -169,26 +173,30 @@ class StreamingTrainer:
     self._health.late = guard
     return out
 
-  def _prepare(self, batch):
+  def _prepare(self, batch, key=None):
     self._health.check_usable()
+    lora.check_key(self.cfg.lora, key)
     return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum,
                                 deferred=self._rt.defer, trains=self._rt.trains)
 
-  def _sweep(self, batch, total: float, plan, guard, update: bool) -> Outcome:
+  def _sweep(self, batch, total: float, plan, guard, update: bool, key=None) -> Outcome:
     self._rt.pipeline.check()  # a failure after the last step returned
     self._health.check_late()
     if self._next_started is not None and self._next_started != plan:
       self._cancel_prefetch()  # fetched ahead for another batch shape
     started, self._next_started = self._next_started is not None, None
-    run = self._executor.run(plan, plan.program(update, started), batch, total, guard)
+    if self.cfg.lora is None or not self.cfg.lora.dropout:
+      key = None
+    run = self._executor.run(plan, plan.program(update, started), batch, total, guard, key)
     self._next_started = plan if update else None
     return run
 
-  def loss_and_grads(self, batch: dict[str, Any]):
+  def loss_and_grads(self, batch: dict[str, Any], key: jax.Array | None = None):
     """The loss and gradient at the current parameters; no update.
 
     Args:
       batch: as `step`.
+      key: as `step`.
 
     Returns:
       (loss, the gradient as a tree of fp32 numpy arrays, the model's layout).
@@ -196,10 +204,10 @@ class StreamingTrainer:
     Raises:
       What a failed sweep met; the trainer is then invalid.
     """
-    batch, total, plan = self._prepare(batch)
+    batch, total, plan = self._prepare(batch, key)
     guard = nonfinite.StepGuard(step=self._steps + 1)
     try:
-      run = self._sweep(batch, total, plan, guard, update=False)
+      run = self._sweep(batch, total, plan, guard, update=False, key=key)
       self._rt.count_fetches(guard.step, run.input_bytes)
     except BaseException as e:
       self._health.fail(e)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from megatrain_jax.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
 from megatrain_jax.models.rope import RopeScaling
 
 # Fields added after checkpoints were first written: `to_dict` leaves them out at their
@@ -12,7 +13,7 @@ from megatrain_jax.models.rope import RopeScaling
 _LATER_FIELDS = ("attn_head_dim", "rope_scaling", "qk_norm", "sliding_window", "layer_types",
                  "n_experts", "n_experts_per_tok", "moe_d_ff", "shared_expert_d_ff",
                  "norm_topk_prob", "moe_layers", "router_aux_loss_coef", "attention_block",
-                 "mlp_chunk")
+                 "mlp_chunk", "lora")
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 # Fields that change how the model computes, not what: a checkpoint trains with any.
@@ -52,6 +53,9 @@ class LlamaConfig:
   with T, not T^2. `mlp_chunk` runs a dense layer's norm and feed-forward that many
   tokens at a time, each chunk recomputed in the backward, so its d_ff-wide
   intermediates take one chunk's memory at any sequence length (None: all at once).
+
+  `lora` puts low-rank adapters on the blocks' projections (`models.lora`,
+  `megatrain_jax.lora.apply`); None: none. An MoE layer's feed-forward takes none.
   """
 
   vocab_size: int = 260
@@ -79,8 +83,14 @@ class LlamaConfig:
   router_aux_loss_coef: float = 0.0
   attention_block: int | None = None
   mlp_chunk: int | None = None
+  lora: LoraConfig | None = None
 
   def __post_init__(self):
+    if isinstance(self.lora, dict):  # as read back from JSON
+      object.__setattr__(self, "lora", LoraConfig(**self.lora))
+    if self.lora is not None and not isinstance(self.lora, LoraConfig):
+      raise ValueError(f"LlamaConfig.lora must be a LoraConfig or None, got "
+                       f"{type(self.lora).__name__}.")
     for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                  "d_ff", "max_seq_len"):
       value = getattr(self, name)
@@ -121,6 +131,13 @@ class LlamaConfig:
       if all(t == "sliding_attention" for t in self.layer_types):  # one spelling each
         object.__setattr__(self, "layer_types", None)
     self._check_moe()
+    if self.lora is not None and self.lora.mlp_targets() and any(
+        self.layer_is_moe(i) for i in range(self.n_layers)):
+      raise ValueError(
+          f"LoraConfig.targets {list(self.lora.mlp_targets())} are feed-forward "
+          "projections, and this model's MoE layers keep their experts as stacked "
+          "[E, in, out] kernels that take no adapters; target the attention "
+          f"projections {list(ATTENTION_TARGETS)} instead.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
@@ -209,6 +226,8 @@ class LlamaConfig:
       Field name -> value; the fields added later are left out at their defaults.
     """
     out = dataclasses.asdict(self)
+    if self.lora is not None:
+      out["lora"] = self.lora.to_dict()
     for name in ("layer_types", "moe_layers"):
       if out[name] is not None:
         out[name] = list(out[name])
@@ -243,7 +262,21 @@ class LlamaConfig:
       mlp = d * self.n_experts + 3 * d * self.expert_d_ff * experts
       if self.shared_expert_d_ff:
         mlp += 3 * d * self.shared_expert_d_ff + d
-    return attn + mlp + 2 * d
+    return attn + mlp + 2 * d + self.adapter_param_count()
+
+  def adapter_param_count(self) -> int:
+    """Parameters of one block's LoRA adapters (`lora`): r x (in + out) per target.
+
+    Returns:
+      The count (0 without `lora`).
+    """
+    if self.lora is None:
+      return 0
+    d, q, kv = self.d_model, self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+              "gate_proj": (d, self.d_ff), "up_proj": (d, self.d_ff),
+              "down_proj": (self.d_ff, d)}
+    return sum(self.lora.rank * sum(shapes[t]) for t in self.lora.targets if t in TARGETS)
 
   def param_count(self, include_embeddings: bool = True, active: bool = False) -> int:
     """Total parameters; `include_embeddings=False` drops embedding and LM head.

@@ -13,6 +13,7 @@ import numpy as np
 
 from megatrain_jax.models import blockwise, rope
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.lora import Adapters
 from megatrain_jax.models.rope import RopeScaling
 
 Params = dict[str, Any]
@@ -65,10 +66,12 @@ def rotary(x_BxTxHxK, positions_T, theta, scaling: RopeScaling | None = None):
   return out.astype(x_BxTxHxK.dtype)
 
 
-def _dense(p, x):
+def _dense(p, x, adapters: Adapters | None = None, target: str = ""):
   y = x @ p["kernel"]
   if "bias" in p:
     y = y + p["bias"]
+  if "lora_a" in p:  # a low-rank adapter (`models.lora`)
+    y = y + adapters.delta(p, x, target)
   return y
 
 
@@ -106,7 +109,7 @@ def attention_kernel(cfg: LlamaConfig, dtype, segments: bool,
 
 
 def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | None = None,
-              segment_ids=None):
+              segment_ids=None, adapters: Adapters | None = None):
   """Causal grouped-query self-attention with rotary embeddings.
 
   Args:
@@ -118,15 +121,16 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
       tokens before it), or None for full causal attention.
     segment_ids: int [B, T]: a token attends only to its own segment (packed
       documents); None: one segment.
+    adapters: how adapted projections compute (needed when `cfg.lora` is set).
 
   Returns:
     The attention output, [B, T, D].
   """
   b, t, _ = x_BxTxD.shape
   hd = cfg.head_dim
-  q = _dense(p["q"], x_BxTxD).reshape(b, t, cfg.n_heads, hd)
-  k = _dense(p["k"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
-  v = _dense(p["v"], x_BxTxD).reshape(b, t, cfg.n_kv_heads, hd)
+  q = _dense(p["q"], x_BxTxD, adapters, "q_proj").reshape(b, t, cfg.n_heads, hd)
+  k = _dense(p["k"], x_BxTxD, adapters, "k_proj").reshape(b, t, cfg.n_kv_heads, hd)
+  v = _dense(p["v"], x_BxTxD, adapters, "v_proj").reshape(b, t, cfg.n_kv_heads, hd)
   if cfg.qk_norm:  # Qwen3: an RMS norm over each head, before the rotation
     q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
     k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
@@ -144,7 +148,7 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
                                       block_k=cfg.attention_block)
   else:
     o = dense_attention(q, k, v, segment_ids, window)
-  return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd))
+  return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd), adapters, "o_proj")
 
 
 def _visible(t: int, segment_ids, window: int | None):
@@ -245,18 +249,19 @@ def _silu_jvp(primals, tangents):
   return x * s, t * (s * (1 + x * (1 - s)))
 
 
-def mlp(p: Params, x_BxTxD):
+def mlp(p: Params, x_BxTxD, adapters: Adapters | None = None):
   """The SwiGLU feed-forward: down(silu(gate(x)) * up(x)).
 
   Args:
     p: the block's "mlp" tree, {gate, up, down}.
     x_BxTxD: the normalised activations.
+    adapters: how adapted projections compute (needed when any is adapted).
 
   Returns:
     The output, [B, T, D].
   """
-  return _dense(p["down"], silu(_dense(p["gate"], x_BxTxD))
-                * _dense(p["up"], x_BxTxD))
+  return _dense(p["down"], silu(_dense(p["gate"], x_BxTxD, adapters, "gate_proj"))
+                * _dense(p["up"], x_BxTxD, adapters, "up_proj"), adapters, "down_proj")
 
 
 def over_token_chunks(fn, x_BxTxD, chunk: int):

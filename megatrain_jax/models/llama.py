@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from megatrain_jax.models import layers, moe
+from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.layers import attention, mlp, rms_norm
 # The unit trees' initialisation and assembly, part of this module's interface.
@@ -56,7 +57,7 @@ def embed_apply(p: Params, ids_BxT, compute_dtype=jnp.float32):
 
 
 def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
-                      window: int | None = None, segment_ids=None
+                      window: int | None = None, segment_ids=None, dropout_keys=None
                       ) -> tuple[jax.Array, moe.RouterStats | None]:
   """One decoder block and its router stats; computes in x's dtype.
 
@@ -67,6 +68,8 @@ def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
     positions_T: the position of each token, [T] or [B, T]; None means 0..T-1.
     window: the layer's attention window (`cfg.layer_window(i)`; None: full).
     segment_ids: int [B, T] keeping packed documents apart (None: one per row).
+    dropout_keys: LoRA dropout's per-sequence keys of this layer
+      (`lora.layer_keys`), or None: no dropout.
 
   Returns:
     (the block's output [B, T, D], its `moe.RouterStats`, or None for a dense block).
@@ -74,20 +77,22 @@ def block_apply_stats(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
   p = _cast(p, x_BxTxD.dtype)
   if positions_T is None:
     positions_T = jnp.arange(x_BxTxD.shape[1])
+  ad = (None if cfg.lora is None else
+        lora_lib.Adapters(cfg.lora.scale, cfg.lora.dropout, dropout_keys))
   h = x_BxTxD + attention(cfg, p["attn"],
                           rms_norm(x_BxTxD, p["attn_norm"]["scale"], cfg.norm_eps),
-                          positions_T, window, segment_ids)
+                          positions_T, window, segment_ids, ad)
   if "experts" in p["mlp"]:
     y, stats = moe.moe_apply(cfg, p["mlp"], rms_norm(h, p["mlp_norm"]["scale"], cfg.norm_eps))
     return h + y, stats
-  ff = lambda y: y + mlp(p["mlp"], rms_norm(y, p["mlp_norm"]["scale"], cfg.norm_eps))
+  ff = lambda y: y + mlp(p["mlp"], rms_norm(y, p["mlp_norm"]["scale"], cfg.norm_eps), ad)
   if cfg.mlp_chunk:
     return layers.over_token_chunks(ff, h, cfg.mlp_chunk), None
   return ff(h), None
 
 
 def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
-                window: int | None = None, segment_ids=None):
+                window: int | None = None, segment_ids=None, dropout_keys=None):
   """One decoder block; computes in x's dtype (params are cast to it).
 
   Args:
@@ -97,11 +102,13 @@ def block_apply(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T=None,
     positions_T: the position of each token, [T] or [B, T]; None means 0..T-1.
     window: the layer's attention window (`cfg.layer_window(i)`; None: full).
     segment_ids: int [B, T] keeping packed documents apart (None: one per row).
+    dropout_keys: as `block_apply_stats`.
 
   Returns:
     The block's output, [B, T, D].
   """
-  return block_apply_stats(cfg, p, x_BxTxD, positions_T, window, segment_ids)[0]
+  return block_apply_stats(cfg, p, x_BxTxD, positions_T, window, segment_ids,
+                           dropout_keys)[0]
 
 
 def head_norm(cfg: LlamaConfig, head_p: Params, x_BxTxD):
@@ -158,7 +165,8 @@ def logits_apply(cfg: LlamaConfig, head_p: Params, embed_p: Params | None, x_BxT
 
 
 def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32,
-                    positions=None, segment_ids=None) -> tuple[jax.Array, jax.Array]:
+                    positions=None, segment_ids=None, dropout_keys=None
+                    ) -> tuple[jax.Array, jax.Array]:
   """Logits of the whole model, and its load-balancing loss.
 
   Args:
@@ -168,6 +176,8 @@ def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp
     compute_dtype: the dtype the embedding and blocks compute in.
     positions: int [B, T] positions (packed documents restart at 0); None: 0..T-1.
     segment_ids: int [B, T] keeping packed documents apart; None: one per row.
+    dropout_keys: LoRA dropout's per-sequence keys of the step
+      (`lora.sequence_keys`), or None: no dropout.
 
   Returns:
     (the fp32 logits [B, T, V], `moe.aux_loss` over the MoE layers: 0 with none).
@@ -175,7 +185,8 @@ def forward_and_aux(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp
   x = embed_apply(params["embed"], ids_BxT, compute_dtype)
   stats = []
   for i, p in enumerate(params["blocks"]):
-    x, st = block_apply_stats(cfg, p, x, positions, cfg.layer_window(i), segment_ids)
+    x, st = block_apply_stats(cfg, p, x, positions, cfg.layer_window(i), segment_ids,
+                              lora_lib.layer_keys(dropout_keys, i))
     if st is not None:
       stats.append(st)
   aux = (moe.aux_loss(cfg, moe.total_stats(stats), len(stats) * ids_BxT.size)
@@ -206,7 +217,10 @@ def forward(cfg: LlamaConfig, params: Params, ids_BxT, compute_dtype=jnp.float32
 # ----------------------------------------------------------------------------
 
 def _wrap(tree):
-  return jax.tree.map(nnx.Param, tree)
+  # Adapters (`models.lora`) are their own variable type, so a filter selects them.
+  return jax.tree_util.tree_map_with_path(
+      lambda path, x: (nnx.LoRAParam if getattr(path[-1], "key", None)
+                       in lora_lib.ADAPTER_KEYS else nnx.Param)(x), tree)
 
 
 def _unwrap(tree):

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from megatrain_jax.models import llama, moe
+from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models.config import LlamaConfig
 
 # Budget for one chunk of fp32 logits.
@@ -98,7 +99,7 @@ def head_loss_sum(cfg: LlamaConfig, head_p, embed_p, x_BxTxD, labels_BxT,
 
 
 def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
-               chunk_tokens: int | None = None, remat: bool = False):
+               chunk_tokens: int | None = None, remat: bool = False, dropout_keys=None):
   """Mean masked CE of the whole model on a batch (the resident path).
 
   Args:
@@ -109,19 +110,20 @@ def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
     compute_dtype: the dtype the embedding and blocks compute in.
     chunk_tokens: tokens per loss chunk; None uses `default_chunk_tokens`.
     remat: whether to recompute each block in the backward (`jax.checkpoint`).
+    dropout_keys: LoRA dropout's per-sequence keys (`lora.sequence_keys`), or None.
 
   Returns:
     sum(mask * ce) / max(sum(mask), 1), plus `router_aux_loss_coef` times the
     load-balancing loss of the MoE layers (`models.moe.aux_loss`).
   """
   pos, seg = batch.get("positions"), batch.get("segment_ids")
-  block = lambda p, x, window: llama.block_apply_stats(cfg, p, x, pos, window, seg)
+  block = lambda p, x, keys, window: llama.block_apply_stats(cfg, p, x, pos, window, seg, keys)
   if remat:
-    block = jax.checkpoint(block, static_argnums=(2,))
+    block = jax.checkpoint(block, static_argnums=(3,))
   x = llama.embed_apply(params["embed"], batch["input_ids"], compute_dtype)
   stats = []
   for i, p in enumerate(params["blocks"]):
-    x, st = block(p, x, cfg.layer_window(i))
+    x, st = block(p, x, lora_lib.layer_keys(dropout_keys, i), cfg.layer_window(i))
     if st is not None:
       stats.append(st)
   total = head_loss_sum(cfg, params["head"], params["embed"], x, batch["labels"],

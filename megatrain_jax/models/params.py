@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models import moe
 from megatrain_jax.models.config import LlamaConfig
 
@@ -62,7 +63,8 @@ def init_block(cfg: LlamaConfig, key: jax.Array, moe_layer: bool = False) -> Par
       tree.
 
   Returns:
-    The block's tree (see the module docstring), fp32.
+    The block's tree (see the module docstring), fp32; with `cfg.lora`, the targeted
+    projections carry fresh adapters (`models.lora.init_adapters`).
   """
   d, hd = cfg.d_model, cfg.head_dim
   q_dim, kv_dim = cfg.n_heads * hd, cfg.n_kv_heads * hd
@@ -88,12 +90,27 @@ def init_block(cfg: LlamaConfig, key: jax.Array, moe_layer: bool = False) -> Par
   else:
     mlp_p = {"gate": dense(kg, d, cfg.d_ff), "up": dense(ku, d, cfg.d_ff),
              "down": dense(kd, cfg.d_ff, d)}
-  return {
+  block = {
       "attn_norm": {"scale": jnp.ones((d,), jnp.float32)},
       "attn": attn,
       "mlp_norm": {"scale": jnp.ones((d,), jnp.float32)},
       "mlp": mlp_p,
   }
+  if cfg.lora is not None:
+    block = lora_lib.init_adapters(cfg.lora, block, adapter_key(key))
+  return block
+
+
+def adapter_key(block_key: jax.Array) -> jax.Array:
+  """The PRNG key of a block's LoRA adapters (`models.lora`), from the block's key.
+
+  Args:
+    block_key: the block's key (`unit_key(base, "block", i)`).
+
+  Returns:
+    Its adapters' key.
+  """
+  return jax.random.fold_in(block_key, 0x10A)
 
 
 def init_head(cfg: LlamaConfig, key: jax.Array) -> Params:
@@ -167,6 +184,23 @@ def split_units(tree: Params) -> list[Params]:
     The embed, each block and the head.
   """
   return [tree["embed"], *tree["blocks"], tree["head"]]
+
+
+def init_adapters_tree(cfg: LlamaConfig, params: Params, base_key: jax.Array) -> Params:
+  """A whole model's tree with fresh adapters (`cfg.lora`) on its blocks: block i's
+  from the key `init_params` would give them.
+
+  Args:
+    cfg: the model, with `lora`.
+    params: the tree without adapters (not changed).
+    base_key: the adapters' base key.
+
+  Returns:
+    A new tree with the adapters.
+  """
+  blocks = [lora_lib.init_adapters(cfg.lora, b, adapter_key(unit_key(base_key, "block", i)))
+            for i, b in enumerate(params["blocks"])]
+  return {**params, "blocks": blocks}
 
 
 def init_params(cfg: LlamaConfig, base_key: jax.Array) -> Params:

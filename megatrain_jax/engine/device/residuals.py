@@ -71,15 +71,15 @@ class Layout(NamedTuple):
   kept: tuple = ()
 
 
-def _layer_fn(cfg: LlamaConfig, window, pos, seg):
+def _layer_fn(cfg: LlamaConfig, window, pos, seg, keys):
   def f(params, x):
-    y, stats = llama.block_apply_stats(cfg, params, x, pos, window, seg)
+    y, stats = llama.block_apply_stats(cfg, params, x, pos, window, seg, keys)
     return (y, None if stats is None else stats.probs), stats
   return f
 
 
-def forward(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, pos, seg
-            ) -> tuple[jax.Array, Any, list, Layout]:
+def forward(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, pos, seg,
+            keys=None) -> tuple[jax.Array, Any, list, Layout]:
   """A layer's forward that keeps its residuals (traceable).
 
   Args:
@@ -91,12 +91,13 @@ def forward(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, p
     x: its input.
     pos: positions or None.
     seg: segment ids or None.
+    keys: the layer's LoRA dropout keys or None.
 
   Returns:
     (its output, its router stats or None, the kept residuals, their `Layout`).
   """
   params = spec.unflatten(flat)
-  f = _layer_fn(cfg, window, pos, seg)
+  f = _layer_fn(cfg, window, pos, seg, keys)
   if policy(recompute) is not None:
     f = jax.checkpoint(f, policy=policy(recompute))
   (y, _), vjp, stats = jax.vjp(f, params, x, has_aux=True)
@@ -109,8 +110,8 @@ def forward(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, p
   return y, stats, kept, Layout(treedef, slots, shapes)
 
 
-def layout(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, pos, seg
-           ) -> Layout:
+def layout(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, pos, seg,
+           keys=None) -> Layout:
   """The `Layout` of `forward` for these arguments, from an abstract trace of it (no
   computation), so that a backward rebuilds it in its own trace.
 
@@ -123,19 +124,20 @@ def layout(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, po
     x: its input (likewise).
     pos: positions or None.
     seg: segment ids or None.
+    keys: the layer's LoRA dropout keys or None.
 
   Returns:
     The layout.
   """
   box = []
 
-  def kept_only(flat, x, pos, seg):
-    *_, kept, lay = forward(cfg, spec, window, recompute, flat, x, pos, seg)
+  def kept_only(flat, x, pos, seg, keys):
+    *_, kept, lay = forward(cfg, spec, window, recompute, flat, x, pos, seg, keys)
     box.append(lay)
     return kept
 
   S = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
-  jax.eval_shape(kept_only, S(flat), S(x), S(pos), S(seg))
+  jax.eval_shape(kept_only, S(flat), S(x), S(pos), S(seg), S(keys))
   return box[0]
 
 

@@ -20,6 +20,7 @@ from megatrain_jax.engine.device import residuals
 from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.lora import layer_keys
 from megatrain_jax.models.loss import head_loss_sum
 
 
@@ -100,24 +101,24 @@ class Templates:
     # Each layer's structure: (its flat layout, its window), static in the templates.
     self._kinds = tuple((blocks[i], cfg.layer_window(i)) for i in range(cfg.n_layers))
 
-    def block_fwd(flat, x, pos, seg, spec, window):
-      return llama.block_apply_stats(cfg, spec.unflatten(flat), x, pos, window, seg)
+    def block_fwd(flat, x, pos, seg, keys, spec, window):
+      return llama.block_apply_stats(cfg, spec.unflatten(flat), x, pos, window, seg, keys)
 
-    def block_bwd(flat, x, g, g_probs, pos, seg, spec, window):
+    def block_bwd(flat, x, g, g_probs, pos, seg, keys, spec, window):
       def f(ft, x):  # differentiated in the elements that train only
         p = spec.unflatten(spec.join(ft, flat[spec.train_size:]))
-        y, stats = llama.block_apply_stats(cfg, p, x, pos, window, seg)
+        y, stats = llama.block_apply_stats(cfg, p, x, pos, window, seg, keys)
         return y, None if stats is None else stats.probs
       _, vjp = jax.vjp(f, flat[:spec.train_size], x)
       g_flat, g_x = vjp((g, g_probs))
       return g_x, g_flat, all_finite(g_flat)
 
-    def block_fwd_keep(flat, x, pos, seg, reuse, spec, window):
+    def block_fwd_keep(flat, x, pos, seg, keys, reuse, spec, window):
       del reuse  # donated: XLA writes the outputs of its shapes into it
-      return residuals.forward(cfg, spec, window, recompute, flat, x, pos, seg)[:3]
+      return residuals.forward(cfg, spec, window, recompute, flat, x, pos, seg, keys)[:3]
 
-    def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, spec, window):
-      layout = residuals.layout(cfg, spec, window, recompute, flat, x, pos, seg)
+    def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, keys, spec, window):
+      layout = residuals.layout(cfg, spec, window, recompute, flat, x, pos, seg, keys)
       g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
       g_flat = g_flat[:spec.train_size]  # the frozen elements' part is not sent
       return g_x, g_flat, all_finite(g_flat)
@@ -138,12 +139,12 @@ class Templates:
       g_h, g_e, g_x = vjp(scale)
       return loss_sum, g_x, g_h, g_e, all_finite(g_h)
 
-    def tail(flat_b, flat_h, flat_e, x, labels, mask, scale, pos, seg, spec, window):
+    def tail(flat_b, flat_h, flat_e, x, labels, mask, scale, pos, seg, keys, spec, window):
       # The last layer and the head in one vjp: the layer's forward runs once, and
       # its residuals live only inside this call.
       def f(tb, th, te, x):
         p = spec.unflatten(whole(spec, tb, flat_b))
-        y, _ = llama.block_apply_stats(cfg, p, x, pos, window, seg)
+        y, _ = llama.block_apply_stats(cfg, p, x, pos, window, seg, keys)
         return loss(whole(head, th, flat_h), whole(embed, te, flat_e), y, labels, mask)
       loss_sum, vjp = jax.vjp(f, trained(spec, flat_b), trained(head, flat_h),
                               trained(embed, flat_e), x)
@@ -160,20 +161,20 @@ class Templates:
       return g, all_finite(g)
 
     self.embed_fwd = jax.jit(self._counted("embed_fwd", embed_fwd))
-    self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(4, 5))
-    self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=(6, 7))
+    self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(5, 6))
+    self._block_bwd = jax.jit(self._counted("block_bwd", block_bwd), static_argnums=(7, 8))
     # keep_unused: an argument that is not read is otherwise dropped, its donation too.
     self._block_fwd_keep = jax.jit(self._counted("block_fwd_keep", block_fwd_keep),
-                                   static_argnums=(5, 6), donate_argnums=(4,),
+                                   static_argnums=(6, 7), donate_argnums=(5,),
                                    keep_unused=True)
     self._block_bwd_kept = jax.jit(self._counted("block_bwd_kept", block_bwd_kept),
-                                   static_argnums=(7, 8))
+                                   static_argnums=(8, 9))
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
-    self._tail = jax.jit(self._counted("tail_fwd_bwd", tail), static_argnums=(9, 10))
+    self._tail = jax.jit(self._counted("tail_fwd_bwd", tail), static_argnums=(10, 11))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
 
   def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
-                segment_ids=None) -> tuple[jax.Array, Any]:
+                segment_ids=None, dropout_keys=None) -> tuple[jax.Array, Any]:
     """Layer `layer`'s forward.
 
     Args:
@@ -182,15 +183,18 @@ class Templates:
       layer: its index (0-based), which picks its structure's template.
       positions: the batch's int [B, T] positions (None: 0..T-1).
       segment_ids: the batch's int [B, T] segment ids (None: one per row).
+      dropout_keys: LoRA dropout's per-sequence keys of the step
+        (`models.lora.sequence_keys`; None: no dropout).
 
     Returns:
       (its output, its `moe.RouterStats` or None for a dense layer).
     """
     self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
-    return self._block_fwd(flat, x, positions, segment_ids, *self._kinds[layer])
+    return self._block_fwd(flat, x, positions, segment_ids, layer_keys(dropout_keys, layer),
+                           *self._kinds[layer])
 
   def block_fwd_keep(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
-                     segment_ids=None, reuse: tuple | None = None
+                     segment_ids=None, dropout_keys=None, reuse: tuple | None = None
                      ) -> tuple[jax.Array, Any, list]:
     """Layer `layer`'s forward, keeping what its backward needs (recompute "dots"
     or "none").
@@ -201,6 +205,7 @@ class Templates:
       layer: its index (0-based).
       positions: as `block_fwd`.
       segment_ids: as `block_fwd`.
+      dropout_keys: as `block_fwd`.
       reuse: None, or arrays of the shapes `kept_shapes` gives, which are donated
         (deleted): the output and the residuals are written into them.
 
@@ -209,10 +214,11 @@ class Templates:
       device arrays, no parameter among them).
     """
     self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
-    return self._block_fwd_keep(flat, x, positions, segment_ids, reuse, *self._kinds[layer])
+    return self._block_fwd_keep(flat, x, positions, segment_ids,
+                                layer_keys(dropout_keys, layer), reuse, *self._kinds[layer])
 
   def kept_shapes(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
-                  segment_ids=None) -> tuple[jax.ShapeDtypeStruct, ...]:
+                  segment_ids=None, dropout_keys=None) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The shapes `block_fwd_keep` gives back for these arguments: its output's,
     then each kept residual's (no computation; cached per layer structure and shape).
 
@@ -222,12 +228,14 @@ class Templates:
       layer: likewise.
       positions: likewise.
       segment_ids: likewise.
+      dropout_keys: likewise.
 
     Returns:
       The shapes and dtypes, in the order `reuse` takes them.
     """
     S = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
-    key = (self._kinds[layer], S(flat), S(x), S(positions), S(segment_ids))
+    key = (self._kinds[layer], S(flat), S(x), S(positions), S(segment_ids),
+           S(dropout_keys))
     if key not in self._kept_shapes:
       spec, window = self._kinds[layer]
       lay = residuals.layout(self.cfg, spec, window, self.recompute, *key[1:])
@@ -236,7 +244,8 @@ class Templates:
 
   def block_bwd_kept(self, flat: jax.Array, x: jax.Array, kept: list, g: jax.Array,
                      layer: int, g_probs: jax.Array | None = None, positions=None,
-                     segment_ids=None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                     segment_ids=None, dropout_keys=None
+                     ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Layer `layer`'s backward from what `block_fwd_keep` kept: no forward runs.
 
     Args:
@@ -248,12 +257,14 @@ class Templates:
       g_probs: as `block_bwd`.
       positions: as `block_fwd`.
       segment_ids: as `block_fwd`.
+      dropout_keys: as `block_fwd`.
 
     Returns:
       As `block_bwd`.
     """
     return self._block_bwd_kept(flat, x, kept, g, self._g_probs(layer, g_probs),
-                                positions, segment_ids, *self._kinds[layer])
+                                positions, segment_ids, layer_keys(dropout_keys, layer),
+                                *self._kinds[layer])
 
   def _g_probs(self, layer: int, g_probs):
     if not self.cfg.layer_is_moe(layer):
@@ -261,8 +272,8 @@ class Templates:
     return self._no_g_probs if g_probs is None else g_probs
 
   def block_bwd(self, flat: jax.Array, x: jax.Array, g: jax.Array, layer: int,
-                g_probs: jax.Array | None = None, positions=None, segment_ids=None
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+                g_probs: jax.Array | None = None, positions=None, segment_ids=None,
+                dropout_keys=None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Layer `layer`'s backward (its forward recomputed inside).
 
     Args:
@@ -274,17 +285,18 @@ class Templates:
         None: zeros); ignored by a dense layer.
       positions: as `block_fwd`.
       segment_ids: as `block_fwd`.
+      dropout_keys: as `block_fwd` (the same masks as its forward).
 
     Returns:
       (the gradient of its input, of its flat parameters, whether the latter is
       all finite).
     """
     return self._block_bwd(flat, x, g, self._g_probs(layer, g_probs), positions,
-                           segment_ids, *self._kinds[layer])
+                           segment_ids, layer_keys(dropout_keys, layer), *self._kinds[layer])
 
   def tail(self, flat: jax.Array, flat_h: jax.Array, flat_e: jax.Array | None,
            x: jax.Array, labels: jax.Array, mask: jax.Array, scale: jax.Array,
-           positions=None, segment_ids=None) -> tuple:
+           positions=None, segment_ids=None, dropout_keys=None) -> tuple:
     """The last layer (dense) and the head, forward and backward, in one call.
 
     Args:
@@ -297,6 +309,7 @@ class Templates:
       scale: as `head`.
       positions: as `block_fwd`.
       segment_ids: as `block_fwd`.
+      dropout_keys: as `block_fwd`.
 
     Returns:
       (loss_sum, g_x, g_h, g_e, finite_h, g_flat, finite): as `head`, with g_x the
@@ -305,7 +318,7 @@ class Templates:
     layer = self.cfg.n_layers - 1
     self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
     return self._tail(flat, flat_h, flat_e, x, labels, mask, scale, positions,
-                      segment_ids, *self._kinds[layer])
+                      segment_ids, layer_keys(dropout_keys, layer), *self._kinds[layer])
 
   def measure_scratch(self) -> dict[str, int]:
     """XLA's scratch inside each template for the last batch shape a block ran on:
@@ -362,21 +375,21 @@ class Templates:
       g_probs = (S((self.cfg.n_experts,), jnp.float32) if self.cfg.layer_is_moe(layer)
                  else None)
       if self.recompute == "full":
-        fwd.append(temp(self._block_fwd, flat, x, pos, seg, spec, window))
-        bwd.append(temp(self._block_bwd, flat, x, x, g_probs, pos, seg, spec, window))
+        fwd.append(temp(self._block_fwd, flat, x, pos, seg, None, spec, window))
+        bwd.append(temp(self._block_bwd, flat, x, x, g_probs, pos, seg, None, spec, window))
         continue
-      keep = self._block_fwd_keep.lower(flat, x, pos, seg, None, spec, window)
+      keep = self._block_fwd_keep.lower(flat, x, pos, seg, None, None, spec, window)
       fwd.append(getattr(keep.compile().memory_analysis(), "temp_size_in_bytes", None))
       kept = keep.out_info[2]
-      bwd.append(temp(self._block_bwd_kept, flat, x, kept, x, g_probs, pos, seg, spec,
-                      window))
+      bwd.append(temp(self._block_bwd_kept, flat, x, kept, x, g_probs, pos, seg, None,
+                      spec, window))
     out["block_fwd"], out["block_bwd"] = _largest(fwd), _largest(bwd)
     last = self.cfg.n_layers - 1
     if self.recompute == "full" and last >= 0 and not self.cfg.layer_is_moe(last):
       spec, window = self._kinds[last]  # the fused tail's, where the schedule has one
       out["tail"] = temp(self._tail, S((spec.size,), dtype), S((head.size,), dtype), tied_e,
                          x, ids, S((b, t), jnp.float32), S((), jnp.float32), pos, seg,
-                         spec, window)
+                         None, spec, window)
     return out
 
   def _counted(self, name: str, fn):

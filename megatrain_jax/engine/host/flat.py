@@ -77,6 +77,8 @@ class FlatSpec:
       Its leaves raveled and concatenated, trained ones first.
     """
     leaves = self.treedef.flatten_up_to(tree)
+    if not self.order:  # a unit with nothing that trains (`trained()` of a frozen one)
+      return jnp.zeros((0,), jnp.float32)
     return jnp.concatenate([jnp.reshape(leaves[i], (-1,)) for i in self.order])
 
   def flatten_np(self, tree: Any, dtype=np.float32) -> np.ndarray:

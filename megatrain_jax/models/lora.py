@@ -1,0 +1,252 @@
+"""Low-rank adapters (LoRA) on a block's projections: their config, init and math.
+
+An adapted projection's tree gains two leaves beside its kernel [in, out]:
+"lora_a" [in, r] and "lora_b" [r, out], and computes
+
+  y = x @ kernel (+ bias) + dropout(x) @ lora_a @ lora_b * alpha / r
+
+as PEFT's `LoraLayer` does (its `lora_A.weight` is our lora_a transposed, its
+`lora_B.weight` our lora_b transposed). lora_a starts uniform in +-1/sqrt(in)
+(PyTorch's default for a Linear, which PEFT keeps) and lora_b at zero, so a fresh
+adapter leaves the model's output unchanged. The adapters are part of the model's
+config (`LlamaConfig.lora`), so every unit tree, abstract shape and plan made from
+the config has them; `megatrain_jax.lora` adds them to a model and merges them back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+# Hugging Face's projection names -> where the projection sits in a block's tree.
+TARGETS = {"q_proj": ("attn", "q"), "k_proj": ("attn", "k"), "v_proj": ("attn", "v"),
+           "o_proj": ("attn", "o"), "gate_proj": ("mlp", "gate"), "up_proj": ("mlp", "up"),
+           "down_proj": ("mlp", "down")}
+ALL_TARGETS = tuple(TARGETS)
+ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+ADAPTER_KEYS = ("lora_a", "lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+  """Which projections get adapters, and their rank, scale and dropout.
+
+  Attributes:
+    rank: the adapters' rank r.
+    alpha: the scale's numerator: the adapter's output is multiplied by alpha / r.
+    targets: Hugging Face projection names (of `ALL_TARGETS`).
+    dropout: the probability of zeroing each element of an adapter's input during
+      training (0: none); the trainers then need a PRNG key per step.
+  """
+
+  rank: int = 16
+  alpha: float = 32.0
+  targets: tuple[str, ...] = ALL_TARGETS
+  dropout: float = 0.0
+
+  def __post_init__(self):
+    if isinstance(self.targets, (list, str)):  # as read back from JSON, or one name
+      object.__setattr__(self, "targets",
+                         (self.targets,) if isinstance(self.targets, str) else
+                         tuple(self.targets))
+    if isinstance(self.rank, bool) or not isinstance(self.rank, int) or self.rank <= 0:
+      raise ValueError(f"LoraConfig.rank must be a positive integer, got {self.rank!r}.")
+    if not isinstance(self.alpha, (int, float)) or self.alpha <= 0:
+      raise ValueError(f"LoraConfig.alpha must be a positive number, got {self.alpha!r}.")
+    unknown = [t for t in self.targets if t not in TARGETS]
+    if unknown or not self.targets:
+      raise ValueError(f"LoraConfig.targets {list(self.targets)!r}: "
+                       f"{'unknown ' + str(unknown) if unknown else 'none given'}; "
+                       f"choose among {list(ALL_TARGETS)}.")
+    if len(set(self.targets)) != len(self.targets):
+      raise ValueError(f"LoraConfig.targets {list(self.targets)!r} names a projection twice.")
+    if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
+      raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}.")
+
+  @property
+  def scale(self) -> float:
+    """alpha / rank, what an adapter's output is multiplied by."""
+    return float(self.alpha) / self.rank
+
+  def paths(self) -> tuple[tuple[str, str], ...]:
+    """Where the targets sit in a block's tree, in `ALL_TARGETS` order.
+
+    Returns:
+      ("attn", "q"), ("mlp", "down"), ...
+    """
+    return tuple(TARGETS[t] for t in ALL_TARGETS if t in self.targets)
+
+  def mlp_targets(self) -> tuple[str, ...]:
+    """The targets in the feed-forward (which an MoE layer does not have).
+
+    Returns:
+      Target names.
+    """
+    return tuple(t for t in self.targets if TARGETS[t][0] == "mlp")
+
+  def to_dict(self) -> dict[str, Any]:
+    """The fields as a JSON-ready dict.
+
+    Returns:
+      Field name -> value (targets as a list).
+    """
+    return {"rank": self.rank, "alpha": self.alpha, "targets": list(self.targets),
+            "dropout": self.dropout}
+
+
+def init_adapters(lora: LoraConfig, block: dict, key: jax.Array) -> dict:
+  """A block's tree with fresh adapters on the targeted projections.
+
+  Args:
+    lora: the adapters' config.
+    block: the block's tree (its kernels give the shapes; it is not changed).
+    key: the block's adapter key.
+
+  Returns:
+    A new tree: each target's dict gains lora_a (uniform in +-1/sqrt(in)) and
+    lora_b (zeros), fp32.
+  """
+  out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in block.items()}
+  for i, (part, name) in enumerate(lora.paths()):
+    kernel = block[part][name]["kernel"]
+    n_in, n_out = kernel.shape
+    bound = 1.0 / n_in ** 0.5
+    a = jax.random.uniform(jax.random.fold_in(key, i), (n_in, lora.rank), jnp.float32,
+                           -bound, bound)
+    out[part][name] = {**block[part][name], "lora_a": a,
+                       "lora_b": jnp.zeros((lora.rank, n_out), jnp.float32)}
+  return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapters:
+  """How a block's adapted projections compute, inside one call.
+
+  Attributes:
+    scale: alpha / rank.
+    rate: the dropout probability.
+    keys: one PRNG key per sequence of the batch (a [B] key array, already folded
+      with the layer), or None: no dropout (evaluation, or `rate` 0). Each
+      sequence's masks come from its own key, so a batch split into micro-batches
+      draws the same masks as the whole batch.
+  """
+
+  scale: float
+  rate: float = 0.0
+  keys: Any = None
+
+  def delta(self, p: dict, x, target: str):
+    """What an adapted projection adds to x @ kernel.
+
+    Args:
+      p: the projection's tree, with lora_a and lora_b.
+      x: its input, [B, T, in].
+      target: the projection's name (of `ALL_TARGETS`): each draws its own mask.
+
+    Returns:
+      dropout(x) @ lora_a @ lora_b * scale, in x's dtype. Dropout, as PyTorch's,
+      zeroes each element with probability `rate` and scales the others by
+      1 / (1 - rate).
+    """
+    if self.keys is not None and self.rate > 0:
+      slot = ALL_TARGETS.index(target)
+      keep = jax.vmap(lambda k: jax.random.bernoulli(
+          jax.random.fold_in(k, slot), 1.0 - self.rate, x.shape[1:]))(self.keys)
+      x = jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - self.rate), x.dtype),
+                    jnp.zeros((), x.dtype))
+    return (x @ p["lora_a"]) @ p["lora_b"] * jnp.asarray(self.scale, x.dtype)
+
+
+def layer_keys(keys, layer):
+  """Per-sequence dropout keys of one layer, from the step's per-sequence keys.
+
+  Args:
+    keys: a [B] key array (`sequence_keys`; or its `jax.random.key_data`), or None.
+    layer: the layer's index (an int or a traced scalar).
+
+  Returns:
+    Each key folded with `layer`, or None.
+  """
+  if keys is None:
+    return None
+  if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):  # raw key data
+    keys = jax.random.wrap_key_data(keys)
+  return jax.vmap(lambda k: jax.random.fold_in(k, layer))(keys)
+
+
+def check_key(lora: LoraConfig | None, key) -> None:
+  """Refuses a training step with LoRA dropout and no key.
+
+  Args:
+    lora: the model's adapters' config (or None).
+    key: the step's PRNG key (or None).
+
+  Raises:
+    ValueError: dropout is on and `key` is None.
+  """
+  if lora is not None and lora.dropout > 0 and key is None:
+    raise ValueError(f"LoRA dropout ({lora.dropout}) draws its masks from a PRNG key: pass "
+                     "step(batch, key=...) with a new key each step (e.g. "
+                     "jax.random.fold_in(key, step)), or set LoraConfig.dropout=0.")
+
+
+def sequence_keys(key: jax.Array, rows) -> jax.Array:
+  """One dropout key per sequence of a step's batch.
+
+  Args:
+    key: the step's key.
+    rows: the sequences' indices in the step's whole batch ([B] ints), so that a
+      micro-batch draws what the whole batch would for the same sequences.
+
+  Returns:
+    A [B] key array.
+  """
+  return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.asarray(rows, jnp.uint32))
+
+
+def merged(p: dict, scale: float) -> dict:
+  """A projection's tree with its adapter folded into the kernel (and removed).
+
+  Args:
+    p: the projection's tree.
+    scale: alpha / rank.
+
+  Returns:
+    {"kernel": kernel + lora_a @ lora_b * scale, ...the other leaves}, fp32.
+  """
+  out = {k: v for k, v in p.items() if k not in ADAPTER_KEYS}
+  if "lora_a" in p:
+    delta = jnp.asarray(p["lora_a"], jnp.float32) @ jnp.asarray(p["lora_b"], jnp.float32)
+    out["kernel"] = jnp.asarray(p["kernel"], jnp.float32) + delta * jnp.float32(scale)
+  return out
+
+
+def strip_adapters(tree: Any) -> Any:
+  """A tree without its adapter leaves (the base's tree).
+
+  Args:
+    tree: a whole model's or a unit's tree (nested dicts and lists).
+
+  Returns:
+    A new tree of the same nesting, without lora_a and lora_b.
+  """
+  if isinstance(tree, dict):
+    return {k: strip_adapters(v) for k, v in tree.items() if k not in ADAPTER_KEYS}
+  if isinstance(tree, list):
+    return [strip_adapters(v) for v in tree]
+  return tree
+
+
+def is_adapter(path: tuple) -> bool:
+  """Whether a parameter path (as `Llama.param_tree()`'s) names an adapter leaf.
+
+  Args:
+    path: e.g. ("blocks", 0, "attn", "q", "lora_a").
+
+  Returns:
+    True for lora_a and lora_b leaves.
+  """
+  return bool(path) and path[-1] in ADAPTER_KEYS
