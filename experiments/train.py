@@ -4,6 +4,8 @@
   python experiments/train.py --model=small --steps=1000 --workdir=runs/small
   python experiments/train.py --hf_model_dir=path/to/llama --data=chat.jsonl \
       --data_format=sharegpt --export_dir=runs/sft/hf   # fine-tune a local HF checkpoint
+  python experiments/train.py --hf_model_dir=path/to/llama --data=chat.jsonl \
+      --data_format=sharegpt --lora_rank=16 --export_adapter_dir=runs/lora/adapter  # LoRA
 
 Writes <workdir>/metrics.jsonl (one JSON object per logged step), <workdir>/loss.png
 and checkpoints in <workdir>/checkpoints (every --save_every steps and at the end).

@@ -17,6 +17,9 @@ position, the run's settings, the layout and a CRC-32 of every array).
   is not a checkpoint; it is removed, with a warning, the next time a manager
   opens the directory.
 - The last `keep` complete checkpoints are kept.
+- Frozen parameters (`trainable=`: a LoRA base) are not written, only a CRC-32 of
+  each unit's ("base_checksums"): the run rebuilds them from its Hugging Face
+  checkpoint or seed, and a resume whose base differs is refused, naming the units.
 
 In a run of several processes every process holds the same state: process 0
 writes the checkpoint alone (Orbax restricted to it, so no barrier waits on the
@@ -48,6 +51,7 @@ from absl import logging
 from megatrain_jax.engine.host.state import Snapshot, TrainerState
 
 FORMAT_VERSION = 1
+FROZEN = "frozen"  # a part's frozen values: referred to by checksum, not written
 # Seconds the writer sleeps before each part: a fault-injection hook, so tests can
 # kill a process while it is saving. Leave unset.
 WRITE_DELAY_ENV = "MEGATRAIN_CKPT_WRITE_DELAY_S"
@@ -105,6 +109,13 @@ def _diff(section: str, saved: dict, current: dict) -> list[str]:
           f"{current.get(k, '(absent)')!r}" for k in keys if saved.get(k) != current.get(k)]
 
 
+def _written_layout(trainer: TrainerState) -> dict[str, dict[str, list]]:
+  """What a checkpoint of `trainer` holds, as meta.json records it: its state layout
+  without the frozen values."""
+  return {k: {a: [list(s), d] for a, (s, d) in v.items() if a != FROZEN}
+          for k, v in trainer.state_layout().items()}
+
+
 def _normalise(x):
   """What `x` reads back as from JSON (tuples become lists)."""
   return json.loads(json.dumps(x))
@@ -125,6 +136,10 @@ class CheckpointManager:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.writes = jax.process_index() == 0  # the others' state is the same
+    # The frozen values' checksums, by part, of the trainer `_base_owner` (they never
+    # change while it trains).
+    self._base_sums: dict[str, int] = {}
+    self._base_owner: int | None = None
     if _QUIET not in logging.get_absl_logger().filters:
       logging.get_absl_logger().addFilter(_QUIET)
     os.makedirs(directory, exist_ok=True)
@@ -178,11 +193,9 @@ class CheckpointManager:
     if not self.writes:
       return
     step = trainer.step_count
-    layout = trainer.state_layout()
+    self._own_base(trainer)
     meta = {"format": FORMAT_VERSION, "step": step, "processes": jax.process_count(),
-            **_normalise(meta),
-            "layout": {k: {a: [list(s), d] for a, (s, d) in v.items()}
-                       for k, v in layout.items()}}
+            **_normalise(meta), "layout": _written_layout(trainer)}
     snap = trainer.snapshot()  # from here on, the updates keep it for the writer
     try:
       self._thread = threading.Thread(target=self._write_guarded, args=(step, snap, meta),
@@ -208,16 +221,27 @@ class CheckpointManager:
     os.makedirs(tmp)
     delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
     checkpointer = _checkpointer()
-    sums, nbytes = {}, 0
+    sums, nbytes, base = {}, 0, {}
     for key in snap.keys:
       if delay:
         time.sleep(delay)
       arrays = snap.take(key)
+      frozen = arrays.pop(FROZEN, None)
+      if frozen is not None:  # the same every save: computed once
+        base[key] = self._base_sums.get(key)
+        if base[key] is None:
+          base[key] = self._base_sums[key] = checksum(frozen)
+        del frozen
       sums[key] = {a: checksum(x) for a, x in arrays.items()}
       nbytes += sum(x.nbytes for x in arrays.values())
-      checkpointer.save(os.path.join(tmp, key), arrays)
+      # Orbax writes no empty array (a frozen unit's master): the layout says its shape.
+      arrays = {a: x for a, x in arrays.items() if x.size}
+      if arrays:
+        checkpointer.save(os.path.join(tmp, key), arrays)
       del arrays
     meta["checksums"] = sums
+    if base:
+      meta["base_checksums"] = base
     with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
       json.dump(meta, f, indent=1, sort_keys=True)
       f.flush()
@@ -279,8 +303,7 @@ class CheckpointManager:
     steps = self.steps()
     if not steps:
       return None
-    layout = {k: {a: [list(s), d] for a, (s, d) in v.items()}
-              for k, v in trainer.state_layout().items()}
+    layout = _written_layout(trainer)
     expect = _normalise(expect)
     failures = []
     for step in reversed(steps):
@@ -296,6 +319,8 @@ class CheckpointManager:
         logging.warning("Skipping checkpoint %s: its meta.json cannot be read (%s).", path, e)
         continue
       self._check_matches(path, meta, expect, layout)
+      if meta.get("base_checksums"):
+        self._check_base(path, meta["base_checksums"], trainer)
       try:
         trainer.restore(lambda key: self._read(path, key, meta), step)
       except Exception as e:  # pylint: disable=broad-except
@@ -328,9 +353,37 @@ class CheckpointManager:
           "written with another optimizer or engine? Rerun with the settings of the run "
           "that wrote it, or use a new --workdir.")
 
+  def _own_base(self, trainer: TrainerState) -> None:
+    if self._base_owner != id(trainer):
+      self._base_sums, self._base_owner = {}, id(trainer)
+
+  def _check_base(self, path: str, want: dict[str, int], trainer: TrainerState) -> None:
+    """Refuses a checkpoint whose frozen base is not the trainer's."""
+    self._own_base(trainer)
+    snap = trainer.snapshot()
+    try:
+      differ = []
+      for key in snap.keys:
+        frozen = snap.take(key).get(FROZEN)
+        if key in want and (frozen is None or checksum(frozen) != want[key]):
+          differ.append(key)
+        elif frozen is not None:
+          self._base_sums[key] = checksum(frozen)
+    finally:
+      snap.close()
+    if differ:
+      raise ValueError(
+          f"The checkpoint {path} was trained on a base whose frozen values differ from "
+          f"this run's in {differ[:4]}{'...' if len(differ) > 4 else ''}: the base "
+          "checkpoint (--hf_model_dir) or the seed changed since. Resume with the base "
+          "it was trained on, or use a new --workdir.")
+
   def _read(self, path: str, key: str, meta: dict) -> dict[str, np.ndarray]:
-    arrays = _checkpointer().restore(os.path.join(path, key))
     want = meta["layout"][key]
+    empty = {a: np.zeros(shape, dtype) for a, (shape, dtype) in want.items()
+             if not np.prod(shape)}
+    arrays = {**(_checkpointer().restore(os.path.join(path, key))
+                 if len(empty) < len(want) else {}), **empty}
     if set(arrays) != set(want):
       raise CheckpointError(f"part {key} holds arrays {sorted(arrays)}, expected "
                             f"{sorted(want)}")

@@ -37,10 +37,9 @@ from megatrain_jax.hf_config import (ARCHITECTURES, NO_MATH_KEYS, config_from_hf
 from megatrain_jax.hf_lora import (load_adapter, read_adapter_config, save_adapter,
                                    with_adapters)
 from megatrain_jax.hf_names import (block_tensor_names, set_leaf, stack_slices, tree_get,
-                                    unit_names)
+                                    unit_names, unit_trees)
 from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models.params import adapter_key, unit_key
-from megatrain_jax.resident import ResidentTrainer
 from megatrain_jax.safetensors_reader import TensorInfo, checkpoint_tensors, read_tensor
 
 __all__ = ["ARCHITECTURES", "NO_MATH_KEYS", "block_tensor_names", "check_checkpoint",
@@ -241,24 +240,6 @@ def from_pretrained(local_dir: str, dtype=jnp.float32,
 
 
 # -- writing ----------------------------------------------------------------------
-
-def unit_trees(obj) -> Iterator[Params]:
-  """Unit trees of a Llama, a StreamingTrainer (read one unit at a time), a
-  ResidentTrainer or a whole parameter tree."""
-  if isinstance(obj, Llama):
-    yield obj.embed.tree()
-    for b in obj.blocks:
-      yield b.tree()
-    yield obj.head.tree()
-  elif isinstance(obj, StreamingTrainer):
-    for u in range(obj.schedule.n_units):
-      yield obj.unit_params(u)
-  elif isinstance(obj, (ResidentTrainer, dict)):
-    yield from llama.split_units(obj.params() if isinstance(obj, ResidentTrainer) else obj)
-  else:
-    raise TypeError(f"save_pretrained takes a Llama, a trainer or a parameter tree, got "
-                    f"{type(obj).__name__}.")
-
 
 def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
                     architecture: str | None = None, max_shard_bytes: int = 4 * 2**30,

@@ -20,9 +20,11 @@ from typing import Any, Iterator
 import numpy as np
 from absl import logging
 
+from megatrain_jax.hf_names import unit_trees
 from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.llama import Llama, Params, assemble_units, split_units
+from megatrain_jax.models.params import abstract_units
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -117,7 +119,6 @@ def save_adapter(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     ValueError: the model has no adapters.
   """
   from safetensors.numpy import save_file
-  from megatrain_jax.hf import unit_trees  # pylint: disable=import-outside-toplevel
   if cfg.lora is None:
     raise ValueError("The model has no LoRA adapters to save (its config's lora is None); "
                      "save the whole model with mt.hf.save_pretrained.")
@@ -149,7 +150,7 @@ def _adapter_tensors(adapter_dir: str, cfg: LlamaConfig) -> dict[str, np.ndarray
     raise FileNotFoundError(f"{path} does not exist (adapter_model.bin, PyTorch's pickle "
                             "format, is not read: save the adapter with safetensors).")
   found = {k.replace(".default.", "."): v for k, v in load_file(path).items()}
-  tree = llama_abstract_blocks(cfg)
+  tree = abstract_units(cfg)[1:-1]
   want = {}
   for i, block in enumerate(tree):
     for target in cfg.lora.targets:
@@ -167,12 +168,6 @@ def _adapter_tensors(adapter_dir: str, cfg: LlamaConfig) -> dict[str, np.ndarray
                      f"extra {extra[:4]}{'...' if len(extra) > 4 else ''} "
                      f"wrong shapes {shapes[:4]}.")
   return found
-
-
-def llama_abstract_blocks(cfg: LlamaConfig) -> list[Params]:
-  """Each block's abstract tree (with its adapters) of a config with `lora`."""
-  from megatrain_jax.models.params import abstract_units
-  return list(abstract_units(cfg)[1:-1])
 
 
 def with_adapters(cfg: LlamaConfig, units: Iterator[Params], adapter_dir: str

@@ -1,14 +1,18 @@
-"""Hugging Face tensor names mapped onto the unit trees, and the nested-dict helpers
-that build a unit tree from them (`megatrain_jax.hf` reads and writes with these).
+"""Hugging Face tensor names mapped onto the unit trees, the nested-dict helpers that
+build a unit tree from them, and a model's unit trees one at a time
+(`megatrain_jax.hf` and `hf_lora` read and write with these).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
+from megatrain_jax.engine import StreamingTrainer
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.llama import Llama, Params, split_units
+from megatrain_jax.resident import ResidentTrainer
 
 
 def block_tensor_names(i: int, cfg: LlamaConfig, architecture: str | None = None
@@ -123,3 +127,31 @@ def tree_get(tree: dict, path: tuple[Any, ...]):
   for k in path:
     tree = tree[k]
   return tree
+
+
+def unit_trees(obj) -> Iterator[Params]:
+  """Unit trees of a model, in unit order (embed, each block, head).
+
+  Args:
+    obj: a `Llama`, a `StreamingTrainer` (read one unit at a time), a
+      `ResidentTrainer` or a whole parameter tree.
+
+  Returns:
+    An iterator over the unit trees.
+
+  Raises:
+    TypeError: `obj` is none of those.
+  """
+  if isinstance(obj, Llama):
+    yield obj.embed.tree()
+    for b in obj.blocks:
+      yield b.tree()
+    yield obj.head.tree()
+  elif isinstance(obj, StreamingTrainer):
+    for u in range(obj.schedule.n_units):
+      yield obj.unit_params(u)
+  elif isinstance(obj, (ResidentTrainer, dict)):
+    yield from split_units(obj.params() if isinstance(obj, ResidentTrainer) else obj)
+  else:
+    raise TypeError(f"save_pretrained takes a Llama, a trainer or a parameter tree, got "
+                    f"{type(obj).__name__}.")

@@ -17,6 +17,7 @@ from megatrain_jax import checkpoint as checkpoint_lib
 from megatrain_jax import data as data_lib
 from megatrain_jax import distributed
 from megatrain_jax import hf
+from megatrain_jax import lora
 from megatrain_jax import planner
 from megatrain_jax import progress
 from megatrain_jax import metrics as metrics_lib
@@ -28,6 +29,7 @@ from megatrain_jax.engine import platform
 from megatrain_jax.engine.plan import preflight as preflight_lib
 from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig
 from megatrain_jax.models.llama import Llama
+from megatrain_jax.models.params import init_adapters_tree
 from megatrain_jax.resident import ResidentTrainer
 
 from megatrain_jax.train_config import TrainConfig
@@ -60,17 +62,22 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
     A `StreamingTrainer` (from the checkpoint or initialised on the host) or a
     `ResidentTrainer`.
   """
-  key = jax.random.key(tc.seed)
+  key, trainable = jax.random.key(tc.seed), tc.trainable()
   if tc.hf_model_dir and tc.engine == "streaming":
     return hf.streaming_trainer(tc.hf_model_dir, make_optimizer(tc), tc.streaming_config(),
-                                compute=tc.compute())
+                                compute=tc.compute(), lora=cfg.lora, key=key,
+                                trainable=trainable)
   if tc.engine == "streaming":
-    return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.streaming_config(), key)
+    return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.streaming_config(), key,
+                                        trainable=trainable)
   if tc.hf_model_dir:
     model = hf.from_pretrained(tc.hf_model_dir, compute=tc.compute())[1]
+    if cfg.lora is not None:  # the adapters the streaming trainer draws from `key`
+      lora.replace_params(model, cfg, init_adapters_tree(cfg, model.param_tree(), key))
   else:
     model = Llama(cfg, rngs=nnx.Rngs(params=key))
-  return ResidentTrainer(model, make_optimizer(tc), compute_dtype=tc.engine_config.compute_dtype)
+  return ResidentTrainer(model, make_optimizer(tc), compute_dtype=tc.engine_config.compute_dtype,
+                         trainable=trainable)
 
 
 def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
@@ -152,7 +159,7 @@ def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
   plan = preflight_lib.check_fits(cfg, make_optimizer(tc),
                                   None if resident else tc.engine_config, tc.batch_size,
                                   tc.seq_len, host_limit=tc.host_memory_limit_bytes,
-                                  resident=resident)
+                                  resident=resident, trainable=tc.trainable())
   logging.info("Memory plan: host %.3f GiB, device %.3f GiB (available host: %.1f GiB).",
                plan["host"]["total"] / memory.GiB, plan["device"]["total"] / memory.GiB,
                (tc.host_memory_limit_bytes or platform.available_host_bytes()) / memory.GiB)
@@ -234,8 +241,8 @@ def run(tc: TrainConfig, dc: distributed.DistributedConfig | None = None
     if start < tc.steps:
       if _loop(tc, cfg, dataset, trainer, ckpt, start) < tc.steps:
         logging.info("Stopped (--stop_after=%d); the same command continues.", tc.stop_after)
-      elif tc.export_dir:
-        hf.export(trainer, cfg, tc.export_dir, tc.hf_model_dir)
+      else:
+        _export(tc, cfg, trainer)
     else:
       logging.info("The checkpoint in %s is at step %d: training is complete "
                    "(--steps=%d). Use a new --workdir to train again.",
@@ -255,6 +262,15 @@ def run(tc: TrainConfig, dc: distributed.DistributedConfig | None = None
                               f"({tc.engine})")
   logging.info("Wrote %s and loss.png.", metrics_path)
   return records
+
+
+def _export(tc: TrainConfig, cfg: LlamaConfig, trainer) -> None:
+  """Writes the trained model (--export_dir, adapters merged) and the adapters alone
+  (--export_adapter_dir, PEFT's format)."""
+  if tc.export_dir:
+    hf.export(trainer, cfg, tc.export_dir, tc.hf_model_dir, merge_lora=True)
+  if tc.export_adapter_dir:
+    hf.save_adapter(trainer, cfg, tc.export_adapter_dir, base_model=tc.hf_model_dir)
 
 
 def _close_quietly(ckpt, trainer) -> None:
@@ -294,11 +310,14 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int)
   settings = checkpoint_settings(tc, cfg)
   bar = progress.progress_bar(tc.steps, start) if tc.progress else None
   stop = min(tc.steps, start + (tc.stop_after or tc.steps))
+  # LoRA dropout's masks: step s from fold_in(key, s), so a resumed run draws the same.
+  dropout = jax.random.fold_in(jax.random.key(tc.seed), 0xD50) if (
+      cfg.lora is not None and cfg.lora.dropout) else None
   with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer, progress.logs_around(bar):
     for step in range(start + 1, stop + 1):
       batch = dataset.next_batch()
       t0 = time.perf_counter()
-      m = trainer.step(batch)
+      m = trainer.step(batch, None if dropout is None else jax.random.fold_in(dropout, step))
       dt = time.perf_counter() - t0
       if bar is not None:
         bar.update(1)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 from megatrain_jax import data as data_lib
 from megatrain_jax import hf
 from megatrain_jax.engine import EngineConfig, SimulatedLink
+from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models.config import COMPUTE_FIELDS, LlamaConfig, preset
 
 ENGINES = ("streaming", "resident")
@@ -64,7 +66,23 @@ class TrainConfig:
   hf_model_dir: str | None = _field(None, "Hugging Face Llama/Qwen2/Mistral checkpoint "
                                     "directory to fine-tune (config, safetensors, tokenizer).")
   export_dir: str | None = _field(None, "Write the trained model here in Hugging Face "
-                                  "format.")
+                                  "format (LoRA adapters merged into the weights).")
+  lora_rank: int | None = _field(
+      None, "Train LoRA adapters of this rank on a frozen base (kept on the host in the "
+      "compute dtype: no fp32 master, optimizer state or gradient for it). Default: "
+      "train every weight.", low=1)
+  lora_alpha: float = _field(32.0, "LoRA's scale numerator: adapters add "
+                             "x A B * alpha / rank.", low=0)
+  lora_targets: str = _field(",".join(lora_lib.ALL_TARGETS), "Comma-separated projections "
+                             f"that get adapters, of {','.join(lora_lib.ALL_TARGETS)}.")
+  lora_dropout: float = _field(0.0, "Dropout on the adapters' input during training.", low=0)
+  freeze: str | None = _field(
+      None, "Freeze the parameters whose path matches this regex (searched in paths "
+      "like 'embed/embedding', 'blocks/0/attn/q/kernel', 'head/lm_head/kernel'), e.g. "
+      "'^embed/|^blocks/[0-3]/'. With --lora_rank, the adapters train except those "
+      "it matches.")
+  export_adapter_dir: str | None = _field(
+      None, "Write the trained LoRA adapters here in PEFT's format (needs --lora_rank).")
   seed: int = _field(0, "Seed for init and data order.")
   log_every: int = _field(10, "Log every N steps.", low=1)
   save_every: int = _field(100, "Checkpoint every N steps and at the end (0: never).",
@@ -83,7 +101,7 @@ class TrainConfig:
   # Settings a resumed run must share with the run that wrote the checkpoint.
   RESUME_FIELDS = ("engine", "steps", "batch_size", "seq_len", "lr", "warmup_steps",
                    "weight_decay", "data", "data_format", "overlong", "max_data_bytes",
-                   "seed", "hf_model_dir")
+                   "seed", "hf_model_dir", "freeze")
 
   def model_config(self) -> LlamaConfig:
     """The model.
@@ -96,7 +114,43 @@ class TrainConfig:
       cfg = hf.read_config(self.hf_model_dir)[0]
     else:
       cfg = preset(self.model) if isinstance(self.model, str) else self.model
-    return cfg.replace(**self.compute())
+    return cfg.replace(**self.compute(), lora=self.lora_config())
+
+  def lora_config(self) -> lora_lib.LoraConfig | None:
+    """The adapters --lora_rank asks for.
+
+    Returns:
+      The `LoraConfig`, or None without --lora_rank.
+
+    Raises:
+      ValueError: a bad target, alpha or dropout, naming the flag.
+    """
+    if self.lora_rank is None:
+      return None
+    targets = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+    try:
+      return lora_lib.LoraConfig(rank=self.lora_rank, alpha=self.lora_alpha,
+                                 targets=targets, dropout=self.lora_dropout)
+    except ValueError as e:
+      raise ValueError(f"--lora_*: {e}") from None
+
+  def trainable(self) -> Any:
+    """What trains: an NNX filter or a path predicate for `trainable=`.
+
+    Returns:
+      None (every parameter) without --lora_rank or --freeze; else the adapters and/or
+      the parameters --freeze does not match.
+    """
+    if self.freeze is None and self.lora_rank is None:
+      return None
+    pattern = re.compile(self.freeze) if self.freeze else None
+    adapters_only = self.lora_rank is not None
+
+    def trains(path: tuple) -> bool:
+      if adapters_only and not lora_lib.is_adapter(path):
+        return False
+      return pattern is None or not pattern.search("/".join(map(str, path)))
+    return trains
 
   def compute(self) -> dict[str, int]:
     """The model settings given by flags that change how it computes, not what.
@@ -173,3 +227,12 @@ class TrainConfig:
                        f"{max(ec.data_parallel, 1)}: make it a multiple of {split}.")
     if not self.lr > 0:
       raise ValueError(f"--lr must be positive, got {self.lr}.")
+    if self.freeze is not None:
+      try:
+        re.compile(self.freeze)
+      except re.error as e:
+        raise ValueError(f"--freeze={self.freeze!r} is not a regular expression: {e}.") \
+            from None
+    if self.export_adapter_dir and self.lora_rank is None:
+      raise ValueError("--export_adapter_dir writes LoRA adapters: give --lora_rank too (or "
+                       "--export_dir for the whole model).")

@@ -147,3 +147,53 @@ def test_fresh_adapters_on_a_checkpoint_train_the_adapters_only(base):
                                   .astype(np.float32))
   assert all(np.abs(v).max() > 0 for k, v in lora.adapter_tree(params).items()
              if k[-1] == "lora_b")
+
+
+def _launch(tmp_path, base_dir, *flags):
+  import subprocess
+  import sys
+  from test_hf import REPO
+  return subprocess.run(
+      [sys.executable, os.path.join(REPO, "experiments", "train.py"),
+       f"--workdir={tmp_path}/run", f"--hf_model_dir={base_dir}", "--data=stdlib",
+       "--max_data_bytes=20000", "--batch_size=4", "--seq_len=16", "--lr=1e-2",
+       "--lora_rank=4", "--lora_alpha=8", "--lora_targets=q_proj,v_proj,down_proj",
+       "--lora_dropout=0.1", "--save_every=2", "--log_every=1", "--progress=false", *flags],
+      capture_output=True, text=True, timeout=600, cwd=REPO)
+
+
+def test_the_launcher_fine_tunes_lora_resumes_and_exports_for_peft(tmp_path):
+  import transformers
+  base = str(tmp_path / "base")
+  _hf_model("llama_gqa", vocab_size=260).save_pretrained(base)
+  adapter = str(tmp_path / "adapter")
+  r = _launch(tmp_path, base, "--steps=4", f"--export_adapter_dir={adapter}")
+  assert r.returncode == 0, r.stderr[-3000:]
+  whole = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+  # A checkpoint holds the adapters and their state, not the base: a reference to it.
+  ckpt = tmp_path / "run" / "checkpoints" / "step_00000004"
+  meta = json.load(open(ckpt / "meta.json"))
+  assert meta["base_checksums"] and all("frozen" not in part
+                                        for part in meta["layout"].values())
+  size = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file())
+  base_bytes = sum(f.stat().st_size for f in (tmp_path / "base").glob("*.safetensors"))
+  assert size < base_bytes / 2
+  # The exported adapter loads in PEFT and generates.
+  m = transformers.AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+  pm = peft.PeftModel.from_pretrained(m, adapter).eval()
+  out = pm.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+  assert out.shape == (1, 7)
+  # Stopped after 2 steps and resumed: the same losses as the run in one go.
+  r = _launch(tmp_path / "again", base, "--steps=4", "--stop_after=2")
+  assert r.returncode == 0, r.stderr[-3000:]
+  r = _launch(tmp_path / "again", base, "--steps=4")
+  assert r.returncode == 0, r.stderr[-3000:]
+  resumed = [json.loads(x) for x in open(tmp_path / "again" / "run" / "metrics.jsonl")]
+  assert [x["loss"] for x in resumed] == [x["loss"] for x in whole]
+  # A changed base is refused on resume, naming it.
+  with torch.no_grad():
+    changed = _hf_model("llama_gqa", vocab_size=260)
+    changed.model.layers[0].mlp.up_proj.weight.add_(1.0)
+    changed.save_pretrained(base)
+  r = _launch(tmp_path / "again", base, "--steps=4")
+  assert r.returncode != 0 and "frozen values differ" in r.stderr, r.stderr[-2000:]

@@ -159,3 +159,25 @@ def test_the_config_records_the_adapters_and_reads_them_back():
   back = mt.LlamaConfig(**cfg.to_dict())
   assert back == cfg and back.lora.targets == ATTN.targets
   assert "lora" not in CFG.to_dict()  # a config without adapters is written as before
+
+
+def test_launcher_flags_choose_what_trains():
+  from megatrain_jax.train_config import TrainConfig
+  paths = [("embed", "embedding"), ("blocks", 0, "attn", "q", "kernel"),
+           ("blocks", 1, "attn", "q", "kernel"), ("blocks", 1, "attn", "q", "lora_a"),
+           ("blocks", 0, "mlp", "down", "lora_b"), ("head", "lm_head", "kernel")]
+  trains = lambda tc: [tc.trainable()(p) for p in paths]
+  assert TrainConfig().trainable() is None
+  assert trains(TrainConfig(freeze="^embed/|^blocks/0/")) == [False, False, True, True,
+                                                                False, True]
+  assert trains(TrainConfig(lora_rank=8)) == [False, False, False, True, True, False]
+  assert trains(TrainConfig(lora_rank=8, freeze="^blocks/0/")) == [False] * 3 + [True] + \
+      [False] * 2
+  tc = TrainConfig(lora_rank=8, lora_targets="q_proj, v_proj", lora_alpha=16)
+  assert tc.model_config().lora == lora.LoraConfig(rank=8, alpha=16,
+                                                   targets=("q_proj", "v_proj"))
+  for bad, message in ((dict(freeze="(["), "--freeze"),
+                       (dict(lora_rank=4, lora_targets="qproj"), "--lora_"),
+                       (dict(export_adapter_dir="x"), "--lora_rank")):
+    with pytest.raises(ValueError, match=message):
+      TrainConfig(**bad).validate()

@@ -8,11 +8,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 from megatrain_jax.bench.suite import Suite
 from megatrain_jax.bench.timing import child_figures, synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
 from megatrain_jax.models.config import preset
+from megatrain_jax.models.lora import LoraConfig
 from megatrain_jax.optim import adamw
 
 
@@ -46,42 +48,51 @@ def peak_rss_bytes() -> int:
   return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
-                      ) -> dict[str, Any]:
+def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto",
+                      lora_rank: int | None = None) -> dict[str, Any]:
   """Run in a fresh process: peak RSS of training `model_name`, per parameter.
 
   Trains the preset on a synthetic batch of one 64-token sequence, in bf16, with
-  AdamW; the baseline is the resident memory once the backend is up.
+  AdamW; the baseline is the resident memory once the backend is up. With
+  `lora_rank`, adapters of that rank on every projection train and the base is
+  frozen (kept in bf16); the figure is then per parameter of the base.
 
   Args:
     model_name: the model preset.
     steps: training steps taken.
     stream_copy: the engine's `stream_copy` setting.
+    lora_rank: train LoRA adapters of this rank only (None: every weight).
 
   Returns:
     {"host_bytes_per_param", "rss_model", "rss_param_count", "rss_peak_bytes",
     "rss_baseline_bytes"}: the peak over the baseline per parameter, and its parts.
   """
   cfg = preset(model_name)
+  n_base = cfg.param_count()
+  kw = {}
+  if lora_rank is not None:
+    cfg, kw = cfg.replace(lora=LoraConfig(rank=lora_rank)), {"trainable": nnx.LoRAParam}
   batch = synthetic_batch(cfg, 1, 64)
   jax.block_until_ready(jnp.zeros(1) + 1)  # backend up before the baseline
   base = rss_bytes()
   ec = EngineConfig(compute_dtype=jnp.bfloat16, stream_copy=stream_copy)
-  with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0)) as eng:
+  with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0), **kw) as eng:
     for _ in range(steps):
       eng.step(batch)
-    n = eng.stats()["param_count"]
+    n = eng.stats()["param_count"] if lora_rank is None else n_base
   peak = peak_rss_bytes()
   return {"host_bytes_per_param": (peak - base) / n, "rss_model": model_name,
           "rss_param_count": n, "rss_peak_bytes": peak, "rss_baseline_bytes": base}
 
 
-def host_memory_run(model_name: str, stream_copy: str) -> dict[str, Any]:
+def host_memory_run(model_name: str, stream_copy: str, lora_rank: int | None = None
+                    ) -> dict[str, Any]:
   """Runs `host_memory_child` in a fresh Python process and reads back its figures.
 
   Args:
     model_name: the model preset.
     stream_copy: the engine's `stream_copy` setting.
+    lora_rank: as `host_memory_child`.
 
   Returns:
     The child's figures.
@@ -91,7 +102,8 @@ def host_memory_run(model_name: str, stream_copy: str) -> dict[str, Any]:
   """
   code = ("import json, sys; from megatrain_jax.bench import host_memory as m; "
           "json.dump(m.host_memory_child("
-          f"{model_name!r}, stream_copy={stream_copy!r}), open(sys.argv[1], 'w'))")
+          f"{model_name!r}, stream_copy={stream_copy!r}, lora_rank={lora_rank!r}), "
+          "open(sys.argv[1], 'w'))")
   return child_figures(["-c", code], "host-memory")
 
 

@@ -27,6 +27,8 @@ GOALS = {
     "no_prefetch_over_prefetch": (">=", 1.6),
     "host_opt_bw_ratio": (">=", 0.80),
     "host_bytes_per_param": ("<=", 14.5),
+    "lora_over_full_step": ("<=", 0.8),
+    "host_bytes_per_base_param_lora": ("<=", 2.3),
 }
 
 

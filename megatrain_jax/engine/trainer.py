@@ -131,9 +131,8 @@ class StreamingTrainer:
 
     Args:
       batch: {"input_ids", "labels", "loss_mask"}, each [B, T].
-      key: the step's PRNG key, for LoRA dropout (`LoraConfig.dropout`); sequence r
-        of the batch draws its masks from `fold_in(key, r)`, as in `ResidentTrainer`,
-        whatever `grad_accum`.
+      key: the step's PRNG key for LoRA dropout: sequence r of the batch draws its
+        masks from `fold_in(key, r)` (as `ResidentTrainer`, whatever grad_accum).
 
     Returns:
       {"loss", "tokens", "step_time_s"}, and "skipped": True for a non-finite step

@@ -183,8 +183,7 @@ class Templates:
       layer: its index (0-based), which picks its structure's template.
       positions: the batch's int [B, T] positions (None: 0..T-1).
       segment_ids: the batch's int [B, T] segment ids (None: one per row).
-      dropout_keys: LoRA dropout's per-sequence keys of the step
-        (`models.lora.sequence_keys`; None: no dropout).
+      dropout_keys: LoRA dropout's per-sequence keys (None: no dropout).
 
     Returns:
       (its output, its `moe.RouterStats` or None for a dense layer).
@@ -223,19 +222,14 @@ class Templates:
     then each kept residual's (no computation; cached per layer structure and shape).
 
     Args:
-      flat: as `block_fwd_keep`.
-      x: likewise.
-      layer: likewise.
-      positions: likewise.
-      segment_ids: likewise.
-      dropout_keys: likewise.
+      flat, x, layer, positions, segment_ids, dropout_keys: as `block_fwd_keep`.
 
     Returns:
       The shapes and dtypes, in the order `reuse` takes them.
     """
     S = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
     key = (self._kinds[layer], S(flat), S(x), S(positions), S(segment_ids),
-           S(dropout_keys))
+           S(layer_keys(dropout_keys, layer)))
     if key not in self._kept_shapes:
       spec, window = self._kinds[layer]
       lay = residuals.layout(self.cfg, spec, window, self.recompute, *key[1:])
@@ -285,7 +279,7 @@ class Templates:
         None: zeros); ignored by a dense layer.
       positions: as `block_fwd`.
       segment_ids: as `block_fwd`.
-      dropout_keys: as `block_fwd` (the same masks as its forward).
+      dropout_keys: as `block_fwd` (its forward's masks).
 
     Returns:
       (the gradient of its input, of its flat parameters, whether the latter is

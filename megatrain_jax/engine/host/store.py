@@ -276,7 +276,8 @@ class HostStore(StateStore):
 
     Returns:
       "master" (the unit's trained elements), "state_NNN" arrays, and "frozen"
-      (its frozen elements) where it has any; or the whole tree's state leaves.
+      (its frozen elements, read-only: they never change) where it has any; or the
+      whole tree's state leaves.
     """
     if name == SHARED:
       return {f"state_{i:03d}": np.array(x)
@@ -287,8 +288,8 @@ class HostStore(StateStore):
                        if len(xs) > 1 and np.ndim(xs[0]) else np.array(xs[0]))
     for i, x in enumerate(self._joined(name, join)):
       out[f"state_{i:03d}"] = x
-    if self.frozen[name] is not None:
-      out["frozen"] = np.array(self.frozen[name])
+    if self.frozen[name] is not None:  # never donated nor changed: a view, not a copy
+      out["frozen"] = np.asarray(self.frozen[name])
     return out
 
   def state_layout(self, name) -> dict[str, tuple[tuple[int, ...], str]]:
@@ -317,7 +318,9 @@ class HostStore(StateStore):
 
     Args:
       name: a unit index, or `SHARED`.
-      arrays: laid out as `state_layout(name)` says (the caller checked that).
+      arrays: laid out as `state_layout(name)` says (the caller checked that); without
+        "frozen", the unit's frozen elements stay as they are (a checkpoint that
+        refers to the base instead of holding it).
     """
     self._donating([name])  # a snapshot still being written keeps the old part
     if name == SHARED:
@@ -336,5 +339,5 @@ class HostStore(StateStore):
       states.append(treedef.unflatten([self._put(share(arrays[f"state_{i:03d}"], lo, hi),
                                                  x.dtype) for i, x in enumerate(leaves)]))
     self.states[name] = tuple(states)
-    if self.frozen[name] is not None:
+    if self.frozen[name] is not None and "frozen" in arrays:  # else: the base as loaded
       self.frozen[name] = self._put(arrays["frozen"], self.frozen[name].dtype)

@@ -20,9 +20,10 @@ import optax
 from megatrain_jax.engine.plan import sizes, workspace
 from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
-from megatrain_jax.engine.host.probe import resolve_for_config
+from megatrain_jax.engine.host.probe import resolve_for_config, trained_units
 from megatrain_jax.engine.plan.schedule import Schedule
 from megatrain_jax.engine.plan.step_plan import StepPlan
+from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
 
@@ -31,8 +32,12 @@ GiB = 2**30
 
 # -- host ---------------------------------------------------------------------------
 
-def _state_bytes(cfg: LlamaConfig, optimizer) -> list[int]:
-  """Optimizer-state bytes of each unit (traced once per distinct structure)."""
+def _state_bytes(cfg: LlamaConfig, optimizer, trains=None) -> list[int]:
+  """Optimizer-state bytes of each unit (traced once per distinct structure), of the
+  parameters that train (`trains`: per unit, each leaf's flag; None: all)."""
+  if trains is not None:
+    return [sizes.nbytes(jax.eval_shape(optimizer.init, t))
+            for t in trained_units(cfg, trains)]
   by_tree: dict[int, int] = {}
   out = []
   for t in sizes.unit_trees(cfg):
@@ -42,8 +47,30 @@ def _state_bytes(cfg: LlamaConfig, optimizer) -> list[int]:
   return out
 
 
+def _trained_sizes(cfg: LlamaConfig, flags) -> list[int]:
+  """Each unit's elements that train (`flags` from `leaf_flags`; None: all)."""
+  if flags is None:
+    return list(sizes.unit_sizes(cfg))
+  return [sum(x.size for x, f in zip(jax.tree.leaves(t), fl) if f)
+          for t, fl in zip(sizes.unit_trees(cfg), flags)]
+
+
+def leaf_flags(cfg: LlamaConfig, trainable) -> tuple[tuple[bool, ...], ...] | None:
+  """Per unit, whether each parameter leaf trains (in `jax.tree` order).
+
+  Args:
+    cfg: the model.
+    trainable: as the trainers' `trainable=` (None: everything trains).
+
+  Returns:
+    The flags, or None when everything trains.
+  """
+  masks = trainable_lib.unit_masks(cfg, trainable)
+  return None if masks is None else tuple(tuple(jax.tree.leaves(m)) for m in masks)
+
+
 def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
-                        ec: EngineConfig, max_copies: int = 1) -> int:
+                        ec: EngineConfig, max_copies: int = 1, trainable=None) -> int:
   """The most bytes the updates copy for a checkpoint writer still at work.
 
   Args:
@@ -51,14 +78,16 @@ def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformatio
     optimizer: the transform the engine runs.
     ec: the engine config.
     max_copies: units an update may copy ahead of the writer (`snapshot(max_copies)`).
+    trainable: as `host_bytes` (frozen values are never copied: they never change).
 
   Returns:
     `max_copies` x the largest unit's master and optimizer state. (The writer holds
     one more unit while it writes it, counted in `host_bytes` as checkpoint_copies.)
   """
-  r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
+  flags = leaf_flags(cfg, trainable)
+  r = resolve_for_config(optimizer, cfg, ec.optimizer_mode, flags)
   mode, inner = r.mode, r.optimizer
-  counts, states = sizes.unit_sizes(cfg), _state_bytes(cfg, inner)
+  counts, states = _trained_sizes(cfg, flags), _state_bytes(cfg, inner, flags)
   if mode == "whole_tree":  # units hold masters; the state is one more part
     largest = max(4 * max(counts), sum(states))
   else:
@@ -68,7 +97,7 @@ def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformatio
 
 def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                ec: EngineConfig, on_cpu: bool | None = None, batch_size: int | None = None,
-               seq_len: int | None = None) -> dict[str, int]:
+               seq_len: int | None = None, trainable=None) -> dict[str, int]:
   """Host bytes of a streaming run by kind, and their total.
 
   Args:
@@ -79,9 +108,11 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     batch_size: sequences per step; with `seq_len`, the activation checkpoints
       sent to host memory are counted too.
     seq_len: tokens per sequence.
+    trainable: which parameters train, as the trainers' `trainable=` (None: all).
 
   Returns:
-    masters: fp32 parameters. optimizer_state: the transform's state (from
+    masters: fp32 parameters that train. frozen_params: the others, in
+    `EngineConfig.frozen_dtype` (present when some are frozen). optimizer_state: the transform's state (from
     `optimizer.init` traced on the unit shapes). gradient_buffers: fp32
     accumulators of the whole model when updates wait for the sweep or
     grad_accum > 1, plus the gradients queued between the threads.
@@ -93,19 +124,24 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   """
   counts = sizes.unit_sizes(cfg)
   n = sum(counts)
+  flags = leaf_flags(cfg, trainable)
+  trained = _trained_sizes(cfg, flags)
+  nt = sum(trained)
   cd = jnp.dtype(ec.compute_dtype).itemsize
-  r = resolve_for_config(optimizer, cfg, ec.optimizer_mode)
-  states = _state_bytes(cfg, r.optimizer)
+  r = resolve_for_config(optimizer, cfg, ec.optimizer_mode, flags)
+  states = _state_bytes(cfg, r.optimizer, flags)
   deferred = r.deferred or ec.nonfinite == "skip"
-  queued = (2 * MAX_PENDING_GRADIENTS + 1) * 4 * max(counts)
-  copies = snapshot_copy_bytes(cfg, optimizer, ec)
+  queued = (2 * MAX_PENDING_GRADIENTS + 1) * 4 * max(trained)
+  copies = snapshot_copy_bytes(cfg, optimizer, ec, trainable=trainable)
   out = {
-      "masters": 4 * n,
+      "masters": 4 * nt,
       "optimizer_state": sum(states),
-      "gradient_buffers": (4 * n if deferred or ec.grad_accum > 1 else 0) + queued,
+      "gradient_buffers": (4 * nt if deferred or ec.grad_accum > 1 else 0) + queued,
       "pinned_copies": cd * (n + max(counts)) if sizes.keeps_stream_copy(ec, on_cpu) else 0,
       "checkpoint_copies": 2 * copies,
   }
+  if nt < n:
+    out["frozen_params"] = (n - nt) * jnp.dtype(ec.frozen_dtype_name).itemsize
   if batch_size is not None:
     out["activation_checkpoints"] = step_plan(cfg, ec, batch_size,
                                               seq_len).host_checkpoint_bytes

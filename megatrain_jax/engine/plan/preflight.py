@@ -65,7 +65,7 @@ def device_budget_error(where: str, need: dict[str, int], limit: int,
 def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                ec: EngineConfig | None, batch_size: int, seq_len: int,
                host_limit: int | None = None, device_limit: int | None = None,
-               resident: bool = False) -> dict[str, dict[str, int]]:
+               resident: bool = False, trainable=None) -> dict[str, dict[str, int]]:
   """Refuses a run that cannot fit, before anything is allocated.
 
   On the CPU backend the "device" is host memory, so device bytes count against
@@ -81,6 +81,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     device_limit: device bytes available (default: the config's budget, else the
       accelerator's memory).
     resident: plan a `ResidentTrainer` (everything on the device) instead.
+    trainable: which parameters train, as the trainers' `trainable=` (None: all):
+      frozen ones have no master, optimizer state or gradient on the host.
 
   Returns:
     {"host": bytes by kind, "device": bytes by kind}, and for a streaming run
@@ -95,7 +97,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   if resident:
     host, dev = {"total": 0}, resident_device_bytes(cfg, optimizer)
   else:
-    host = host_bytes(cfg, optimizer, ec, batch_size=batch_size, seq_len=seq_len)
+    host = host_bytes(cfg, optimizer, ec, batch_size=batch_size, seq_len=seq_len,
+                      trainable=trainable)
     dev = device_bytes(cfg, ec, batch_size, seq_len)
   host_limit = available_host_bytes() if host_limit is None else host_limit
   on_cpu = on_cpu_backend()
