@@ -49,7 +49,7 @@ def peak_rss_bytes() -> int:
 
 
 def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto",
-                      lora_rank: int | None = None) -> dict[str, Any]:
+                      lora_rank: int | None = None, layer_factor: int = 1) -> dict[str, Any]:
   """Run in a fresh process: peak RSS of training `model_name`, per parameter.
 
   Trains the preset on a synthetic batch of one 64-token sequence, in bf16, with
@@ -62,12 +62,14 @@ def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
     steps: training steps taken.
     stream_copy: the engine's `stream_copy` setting.
     lora_rank: train LoRA adapters of this rank only (None: every weight).
+    layer_factor: the preset with this many times its layers.
 
   Returns:
     {"host_bytes_per_param", "rss_model", "rss_param_count", "rss_peak_bytes",
     "rss_baseline_bytes"}: the peak over the baseline per parameter, and its parts.
   """
   cfg = preset(model_name)
+  cfg = cfg.replace(n_layers=cfg.n_layers * layer_factor)
   n_base = cfg.param_count()
   kw = {}
   if lora_rank is not None:
@@ -85,14 +87,15 @@ def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
           "rss_param_count": n, "rss_peak_bytes": peak, "rss_baseline_bytes": base}
 
 
-def host_memory_run(model_name: str, stream_copy: str, lora_rank: int | None = None
-                    ) -> dict[str, Any]:
+def host_memory_run(model_name: str, stream_copy: str, lora_rank: int | None = None,
+                    layer_factor: int = 1) -> dict[str, Any]:
   """Runs `host_memory_child` in a fresh Python process and reads back its figures.
 
   Args:
     model_name: the model preset.
     stream_copy: the engine's `stream_copy` setting.
     lora_rank: as `host_memory_child`.
+    layer_factor: as `host_memory_child`.
 
   Returns:
     The child's figures.
@@ -102,8 +105,8 @@ def host_memory_run(model_name: str, stream_copy: str, lora_rank: int | None = N
   """
   code = ("import json, sys; from megatrain_jax.bench import host_memory as m; "
           "json.dump(m.host_memory_child("
-          f"{model_name!r}, stream_copy={stream_copy!r}, lora_rank={lora_rank!r}), "
-          "open(sys.argv[1], 'w'))")
+          f"{model_name!r}, stream_copy={stream_copy!r}, lora_rank={lora_rank!r}, "
+          f"layer_factor={layer_factor!r}), open(sys.argv[1], 'w'))")
   return child_figures(["-c", code], "host-memory")
 
 

@@ -28,8 +28,10 @@ def lora_ratios(s: Suite) -> dict[str, Any]:
     s: the sizes.
 
   Returns:
-    "lora_over_full_step", the two step times, the d2h bytes of each step, and
-    "host_bytes_per_base_param_lora".
+    "lora_over_full_step", the two step times, the d2h bytes of each step,
+    "host_bytes_per_base_param_lora", and "host_bytes_per_base_param_lora_marginal":
+    the peak RSS's growth per base parameter from that model to one with twice its
+    layers.
   """
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
   adapted = lambda: lora.apply(Llama(cfg, rngs=nnx.Rngs(0)), LoraConfig(rank=LORA_RANK),
@@ -41,7 +43,15 @@ def lora_ratios(s: Suite) -> dict[str, Any]:
     t = median_times({"full": timed(full), "lora": timed(lo)}, s.warmup, s.reps, settle=2)
     d2h = {k: e.stats()["last_step"]["d2h_bytes"] for k, e in (("full", full), ("lora", lo))}
   rss = host_memory_run(s.rss_model, "auto", lora_rank=LORA_RANK)
-  return {"lora_over_full_step": t["lora"] / t["full"],
+  # The same with twice the layers: the difference is what each further base
+  # parameter costs, without what a process holds whatever the model's size
+  # (compiled programs, the allocator's pools).
+  big = host_memory_run(s.rss_model, "auto", lora_rank=LORA_RANK, layer_factor=2)
+  grown = (big["rss_peak_bytes"] - big["rss_baseline_bytes"]
+           - rss["rss_peak_bytes"] + rss["rss_baseline_bytes"])
+  return {
+      "host_bytes_per_base_param_lora_marginal":
+          grown / (big["rss_param_count"] - rss["rss_param_count"]),"lora_over_full_step": t["lora"] / t["full"],
           "lora_step_time_s": t["lora"], "lora_full_step_time_s": t["full"],
           "lora_d2h_bytes_per_step": d2h["lora"], "lora_full_d2h_bytes_per_step": d2h["full"],
           "lora_rank": LORA_RANK,

@@ -101,7 +101,9 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
     if 1 <= u <= cfg.n_layers:
       spec = kinds.setdefault(spec, spec)  # blocks of one structure share one spec
     specs.append(spec)
-    masters.append(spec.flatten_np(tree))
+    # Frozen leaves go straight to the frozen dtype: no fp32 copy of a frozen base.
+    masters.append(spec.split_np(tree, jnp.dtype(ec.frozen_dtype_name)))
+    del tree
   if len(specs) != schedule.n_units:
     raise ValueError(f"Expected {schedule.n_units} units (embed, {cfg.n_layers} blocks, "
                      f"head), got {len(specs)}.")

@@ -96,6 +96,29 @@ class FlatSpec:
       out[off:off + n] = np.asarray(leaf, dtype).reshape(-1)
     return out
 
+  def split_np(self, tree: Any, frozen_dtype=np.float32) -> tuple[np.ndarray, np.ndarray | None]:
+    """Tree -> (the trained leaves' flat fp32 vector, the frozen leaves' flat vector in
+    `frozen_dtype`, or None without any), each leaf copied once: a frozen leaf is
+    never widened to fp32 beyond what it was given in.
+
+    Args:
+      tree: a tree of this layout (numpy or host arrays).
+      frozen_dtype: the frozen vector's dtype.
+
+    Returns:
+      The two vectors.
+    """
+    trained = np.empty((self.train_size,), np.float32)
+    frozen = np.empty((self.frozen_size,), frozen_dtype) if self.frozen_size else None
+    for leaf, off, n, f in zip(self.treedef.flatten_up_to(tree), self.offsets, self.sizes,
+                               self.trains):
+      if f:
+        trained[off:off + n] = np.asarray(leaf, np.float32).reshape(-1)
+      else:
+        at = off - self.train_size
+        frozen[at:at + n] = np.asarray(leaf).reshape(-1).astype(frozen_dtype, copy=False)
+    return trained, frozen
+
   def abstract(self, dtype=jnp.float32) -> Any:
     """The unit's tree of `jax.ShapeDtypeStruct`s (for eval_shape; no memory).
 

@@ -115,8 +115,9 @@ class HostStore(StateStore):
     Args:
       updater: how the units update (it says how a master splits into parts).
       specs: each unit's full layout.
-      masters: each unit's flat fp32 vector (numpy or a CPU-backend array); a list is
-        emptied as the store takes them over, so the host never holds two copies.
+      masters: each unit's flat fp32 vector (numpy or a CPU-backend array), or its
+        (trained fp32, frozen) pair (`FlatSpec.split_np`); a list is emptied as the
+        store takes them over, so the host never holds two copies.
       host_device: the CPU device the state lives on.
       frozen_dtype: the dtype frozen elements are kept in.
     """
@@ -129,10 +130,13 @@ class HostStore(StateStore):
     self.parts: list[tuple[jax.Array, ...]] = []
     self.frozen: list[jax.Array | None] = []
     for u, (spec, bounds) in enumerate(zip(self.specs, self.bounds)):
-      flat = np.asarray(masters[u])
+      if isinstance(masters[u], tuple):  # (trained, frozen), as `FlatSpec.split_np`
+        flat, frozen = masters[u]
+      else:
+        flat = np.asarray(masters[u])
+        frozen = flat[spec.train_size:] if spec.frozen_size else None
       self.parts.append(tuple(self._put(flat[lo:hi], np.float32) for lo, hi in bounds))
-      self.frozen.append(self._put(flat[spec.train_size:], frozen_dtype)
-                         if spec.frozen_size else None)
+      self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
       if isinstance(masters, list):
         masters[u] = None  # its parts hold it now: never two copies of the model
     self.states = [updater.init(t, p) for t, p in zip(self.trained, self.parts)]
