@@ -116,6 +116,23 @@ def _written_layout(trainer: TrainerState) -> dict[str, dict[str, list]]:
           for k, v in trainer.state_layout().items()}
 
 
+def _base_checksums(trainer: TrainerState) -> dict[str, int]:
+  """The trainer's CRC-32 of each part's frozen values ({} without any)."""
+  return dict(getattr(trainer, "frozen_checksums", None) or {})
+
+
+def _check_base(path: str, want: dict[str, int], trainer: TrainerState) -> None:
+  """Refuses a checkpoint whose frozen base is not the trainer's."""
+  have = _base_checksums(trainer)
+  differ = sorted(k for k in set(want) | set(have) if want.get(k) != have.get(k))
+  if differ:
+    raise ValueError(
+        f"The checkpoint {path} was trained on a base whose frozen values differ from "
+        f"this run's in {differ[:4]}{'...' if len(differ) > 4 else ''}: the base "
+        "checkpoint (--hf_model_dir) or the seed changed since. Resume with the base "
+        "it was trained on, or use a new --workdir.")
+
+
 def _normalise(x):
   """What `x` reads back as from JSON (tuples become lists)."""
   return json.loads(json.dumps(x))
@@ -136,10 +153,6 @@ class CheckpointManager:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.writes = jax.process_index() == 0  # the others' state is the same
-    # The frozen values' checksums, by part, of the trainer `_base_owner` (they never
-    # change while it trains).
-    self._base_sums: dict[str, int] = {}
-    self._base_owner: int | None = None
     if _QUIET not in logging.get_absl_logger().filters:
       logging.get_absl_logger().addFilter(_QUIET)
     os.makedirs(directory, exist_ok=True)
@@ -193,12 +206,13 @@ class CheckpointManager:
     if not self.writes:
       return
     step = trainer.step_count
-    self._own_base(trainer)
     meta = {"format": FORMAT_VERSION, "step": step, "processes": jax.process_count(),
             **_normalise(meta), "layout": _written_layout(trainer)}
     snap = trainer.snapshot()  # from here on, the updates keep it for the writer
     try:
-      self._thread = threading.Thread(target=self._write_guarded, args=(step, snap, meta),
+      self._thread = threading.Thread(target=self._write_guarded,
+                                      args=(step, snap, meta,
+                                            lambda: _base_checksums(trainer)),
                                       name="megatrain-checkpoint", daemon=True)
       self._thread.start()
     except BaseException:
@@ -206,8 +220,11 @@ class CheckpointManager:
       self._thread = None
       raise
 
-  def _write_guarded(self, step, snap, meta) -> None:
+  def _write_guarded(self, step, snap, meta, base) -> None:
     try:
+      base = base()  # the frozen values' checksums (computed once per trainer)
+      if base:
+        meta["base_checksums"] = base
       self._write(step, snap, meta)
     except BaseException as e:  # pylint: disable=broad-except
       self._error = e
@@ -221,17 +238,12 @@ class CheckpointManager:
     os.makedirs(tmp)
     delay = float(os.environ.get(WRITE_DELAY_ENV, "0") or 0)
     checkpointer = _checkpointer()
-    sums, nbytes, base = {}, 0, {}
+    sums, nbytes = {}, 0
     for key in snap.keys:
       if delay:
         time.sleep(delay)
       arrays = snap.take(key)
-      frozen = arrays.pop(FROZEN, None)
-      if frozen is not None:  # the same every save: computed once
-        base[key] = self._base_sums.get(key)
-        if base[key] is None:
-          base[key] = self._base_sums[key] = checksum(frozen)
-        del frozen
+      arrays.pop(FROZEN, None)  # referred to by `base_checksums`
       sums[key] = {a: checksum(x) for a, x in arrays.items()}
       nbytes += sum(x.nbytes for x in arrays.values())
       # Orbax writes no empty array (a frozen unit's master): the layout says its shape.
@@ -240,8 +252,6 @@ class CheckpointManager:
         checkpointer.save(os.path.join(tmp, key), arrays)
       del arrays
     meta["checksums"] = sums
-    if base:
-      meta["base_checksums"] = base
     with open(os.path.join(tmp, "meta.json"), "w", encoding="utf-8") as f:
       json.dump(meta, f, indent=1, sort_keys=True)
       f.flush()
@@ -303,6 +313,7 @@ class CheckpointManager:
     steps = self.steps()
     if not steps:
       return None
+    self.wait()  # a save in progress finishes with the state it began with
     layout = _written_layout(trainer)
     expect = _normalise(expect)
     failures = []
@@ -320,7 +331,7 @@ class CheckpointManager:
         continue
       self._check_matches(path, meta, expect, layout)
       if meta.get("base_checksums"):
-        self._check_base(path, meta["base_checksums"], trainer)
+        _check_base(path, meta["base_checksums"], trainer)
       try:
         trainer.restore(lambda key: self._read(path, key, meta), step)
       except Exception as e:  # pylint: disable=broad-except
@@ -344,39 +355,16 @@ class CheckpointManager:
           f"The checkpoint {path} was written by a run with other settings: "
           + "; ".join(diffs) + ". Rerun with the settings of the run that wrote it, or "
           "use a new --workdir.")
-    if meta["layout"] != layout:
-      parts = sorted(set(meta["layout"]) ^ set(layout)) or [
-          k for k in layout if meta["layout"][k] != layout[k]]
+    written = {k: {a: v for a, v in part.items() if a != FROZEN}  # older: frozen kept
+               for k, part in meta["layout"].items()}
+    if written != layout:
+      parts = sorted(set(written) ^ set(layout)) or [
+          k for k in layout if written[k] != layout[k]]
       raise ValueError(
           f"The checkpoint {path} holds a state laid out differently from this "
           f"trainer's (parts {parts[:4]}{'...' if len(parts) > 4 else ''} differ): was it "
           "written with another optimizer or engine? Rerun with the settings of the run "
           "that wrote it, or use a new --workdir.")
-
-  def _own_base(self, trainer: TrainerState) -> None:
-    if self._base_owner != id(trainer):
-      self._base_sums, self._base_owner = {}, id(trainer)
-
-  def _check_base(self, path: str, want: dict[str, int], trainer: TrainerState) -> None:
-    """Refuses a checkpoint whose frozen base is not the trainer's."""
-    self._own_base(trainer)
-    snap = trainer.snapshot()
-    try:
-      differ = []
-      for key in snap.keys:
-        frozen = snap.take(key).get(FROZEN)
-        if key in want and (frozen is None or checksum(frozen) != want[key]):
-          differ.append(key)
-        elif frozen is not None:
-          self._base_sums[key] = checksum(frozen)
-    finally:
-      snap.close()
-    if differ:
-      raise ValueError(
-          f"The checkpoint {path} was trained on a base whose frozen values differ from "
-          f"this run's in {differ[:4]}{'...' if len(differ) > 4 else ''}: the base "
-          "checkpoint (--hf_model_dir) or the seed changed since. Resume with the base "
-          "it was trained on, or use a new --workdir.")
 
   def _read(self, path: str, key: str, meta: dict) -> dict[str, np.ndarray]:
     want = meta["layout"][key]

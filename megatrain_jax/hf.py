@@ -274,6 +274,8 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     scale, paths = cfg.lora.scale, cfg.lora.paths()
     units = (_merged_unit(t, paths, scale) for t in units)
     cfg = cfg.replace(lora=None)
+  else:
+    units = (_without_adapters(t) for t in units)
   os.makedirs(out_dir, exist_ok=True)
   config = hf_config(cfg, architecture, extra_config)
   written: list[list[str]] = []  # tensor names of each full shard on disk
@@ -313,6 +315,15 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
     json.dump(config, f, indent=2, sort_keys=True)
   logging.info("Wrote %s (%s, %d file(s)).", out_dir, config["architectures"][0],
                max(1, len(written)))
+
+
+def _without_adapters(tree: Params) -> Params:
+  """A unit tree, refused if it has adapters its config does not say of."""
+  if lora_lib.has_adapters(tree):
+    raise ValueError("The model has LoRA adapters but the config given has lora=None (a "
+                     "config read before mt.lora.apply?): pass the model's own config "
+                     "(model.cfg or trainer.cfg), with merge_lora=True.")
+  return tree
 
 
 def _merged_unit(tree: Params, paths, scale: float) -> Params:

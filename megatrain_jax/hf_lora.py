@@ -25,6 +25,7 @@ from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.llama import Llama, Params, assemble_units, split_units
 from megatrain_jax.models.params import abstract_units
+from megatrain_jax.safetensors_reader import read_header, read_tensor
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -91,6 +92,12 @@ def read_adapter_config(adapter_dir: str) -> lora_lib.LoraConfig:
     c = json.load(f)
   bad = [f"{k}={c[k]!r} (needs {v!r})" for k, v in _MUST_BE.items()
          if k in c and c[k] != v and not (v in ({}, None) and not c[k])]
+  missing = [k for k in ("r", "lora_alpha", "target_modules") if k not in c]
+  if missing:
+    raise ValueError(f"{path} lacks {missing}: it is not a LoRA adapter config.")
+  if c.get("init_lora_weights", True) not in (True, False, "gaussian"):
+    bad.append(f"init_lora_weights={c['init_lora_weights']!r} (it changes the base "
+               "weights too; True, False or 'gaussian' is read)")
   targets = c.get("target_modules")
   if isinstance(targets, str):
     bad.append(f"target_modules={targets!r} (a regex; a list of projection names is read)")
@@ -144,12 +151,12 @@ def save_adapter(model_or_trainer, cfg: LlamaConfig, out_dir: str,
 
 def _adapter_tensors(adapter_dir: str, cfg: LlamaConfig) -> dict[str, np.ndarray]:
   """The adapter's tensors, checked against the model: every one there, of its shape."""
-  from safetensors.numpy import load_file
   path = os.path.join(adapter_dir, ADAPTER_WEIGHTS)
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} does not exist (adapter_model.bin, PyTorch's pickle "
                             "format, is not read: save the adapter with safetensors).")
-  found = {k.replace(".default.", "."): v for k, v in load_file(path).items()}
+  # fp32, bf16 or fp16 on disk, converted exactly (numpy has no bf16 of its own).
+  found = {k.replace(".default.", "."): info for k, info in read_header(path).items()}
   tree = abstract_units(cfg)[1:-1]
   want = {}
   for i, block in enumerate(tree):
@@ -162,12 +169,14 @@ def _adapter_tensors(adapter_dir: str, cfg: LlamaConfig) -> dict[str, np.ndarray
   extra = sorted(set(found) - set(want))
   shapes = [f"{k}: {found[k].shape} (needs {want[k]})" for k in want
             if k in found and tuple(found[k].shape) != want[k]]
+  shapes += [f"{k}: {found[k].dtype} (needs a floating dtype)" for k in want
+             if k in found and found[k].dtype not in ("F32", "BF16", "F16")]
   if missing or extra or shapes:
     raise ValueError(f"{path} does not match the model and its adapter_config.json: "
                      f"missing {missing[:4]}{'...' if len(missing) > 4 else ''} "
                      f"extra {extra[:4]}{'...' if len(extra) > 4 else ''} "
-                     f"wrong shapes {shapes[:4]}.")
-  return found
+                     f"wrong shapes or dtypes {shapes[:4]}.")
+  return {k: read_tensor(found[k]) for k in want}
 
 
 def with_adapters(cfg: LlamaConfig, units: Iterator[Params], adapter_dir: str

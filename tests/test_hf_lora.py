@@ -92,6 +92,15 @@ def test_an_adapter_peft_made_loads_into_ours(base, tmp_path):
   with torch.no_grad():
     want = pm.eval()(torch.tensor(ids, dtype=torch.long)).logits.numpy()
   np.testing.assert_allclose(_ours(model, ids), want, atol=1e-4, rtol=1e-4)
+  # Saved in bf16, it reads back exactly (numpy has no bf16: the reader converts).
+  bf16 = str(tmp_path / "peft_adapter_bf16")
+  pm.to(torch.bfloat16).save_pretrained(bf16)
+  hf.load_adapter(model, bf16)
+  want_a = dict(pm.named_parameters())[
+      "base_model.model.model.layers.1.self_attn.k_proj.lora_A.default.weight"]
+  np.testing.assert_array_equal(model.param_tree()["blocks"][1]["attn"]["k"]["lora_a"],
+                                want_a.float().detach().numpy().T)
+  hf.load_adapter(model, adapter)
   # And into a streaming trainer from the base checkpoint, the adapter training.
   with hf.streaming_trainer(base, optax.adam(1e-3), mt.EngineConfig(),
                             adapter_dir=adapter) as eng:
@@ -107,6 +116,8 @@ def test_the_merged_export_equals_merge_and_unload(base, tmp_path):
   hf.save_adapter(model, model.cfg, adapter)
   with pytest.raises(ValueError, match="merge_lora=True"):
     hf.save_pretrained(model, model.cfg, merged)
+  with pytest.raises(ValueError, match="lora=None"):  # a config read before the adapters
+    hf.save_pretrained(model, model.cfg.replace(lora=None), merged, merge_lora=True)
   hf.export(model, model.cfg, merged, source_dir=base, merge_lora=True)
   import transformers
   m = transformers.AutoModelForCausalLM.from_pretrained(merged, torch_dtype=torch.float32)

@@ -61,13 +61,15 @@ def _train_both(cfg, lora_config, ec, keys=(None,) * 3):
 @pytest.mark.parametrize("cfg, lora_config, kw, dropout", [
     (CFG, ATTN, {}, False),
     (CFG, ALL, dict(grad_accum=2), False),
-    (CFG.replace(tie_embeddings=True), ALL, dict(recompute="none"), False),
+    # Kept residuals in the CPU backend's buffer pool, dropout masks among them.
+    (CFG.replace(tie_embeddings=True), lora.LoraConfig(rank=4, alpha=8, dropout=0.25),
+     dict(recompute="none"), True),
     (MOE, ATTN, {}, False),
     (CFG, lora.LoraConfig(rank=4, alpha=8, dropout=0.25), dict(grad_accum=2), True),
     (CFG, lora.LoraConfig(rank=2, alpha=4, dropout=0.25, targets=("v_proj", "down_proj")),
-     dict(recompute="none", activations="host"), True),
-], ids=["attention", "all_accum2", "tied_kept_residuals", "moe_attention", "dropout_accum2",
-        "dropout_kept_residuals_host"])
+     dict(recompute="dots", activations="host"), True),
+], ids=["attention", "all_accum2", "tied_kept_residuals_dropout", "moe_attention",
+        "dropout_accum2", "dropout_dots_host"])
 def test_streaming_lora_equals_resident_and_the_base_does_not_move(cfg, lora_config, kw,
                                                                    dropout):
   keys = KEYS if dropout else (None,) * 3
@@ -140,6 +142,16 @@ def test_a_fresh_adapter_leaves_the_output_unchanged_and_merge_folds_it_in():
   np.testing.assert_allclose(np.asarray(model(ids)), adapted, rtol=1e-4, atol=1e-5)
 
 
+def test_a_bad_key_is_refused_before_the_step():
+  lc = lora.LoraConfig(rank=4, alpha=8, dropout=0.5)
+  with mt.StreamingTrainer(_model(CFG, lc), optax.sgd(0.1), mt.EngineConfig(),
+                           trainable=nnx.LoRAParam) as eng:
+    for bad in (3, jax.random.split(KEYS[0], 2)):
+      with pytest.raises(ValueError, match="one PRNG key"):
+        eng.step(BATCHES[0], bad)
+    eng.step(BATCHES[0], jax.random.key_data(KEYS[0]))  # raw key data is a key too
+
+
 def test_bad_lora_configs_are_refused_with_the_reason():
   with pytest.raises(ValueError, match="unknown"):
     lora.LoraConfig(targets=("qproj",))
@@ -149,6 +161,8 @@ def test_bad_lora_configs_are_refused_with_the_reason():
     lora.LoraConfig(dropout=1.0)
   with pytest.raises(ValueError, match="MoE layers"):
     lora.apply(mt.Llama(MOE, rngs=nnx.Rngs(0)), ALL, rngs=nnx.Rngs(1))
+  with pytest.raises(ValueError, match="mlp_chunk"):  # a chunk mixes sequences' tokens
+    CFG.replace(mlp_chunk=8, lora=lora.LoraConfig(dropout=0.1))
   model = _model(CFG, ATTN)
   with pytest.raises(ValueError, match="has adapters already"):
     lora.apply(model, ATTN, rngs=nnx.Rngs(1))
@@ -173,8 +187,8 @@ def test_launcher_flags_choose_what_trains():
   assert trains(TrainConfig(lora_rank=8)) == [False, False, False, True, True, False]
   assert trains(TrainConfig(lora_rank=8, freeze="^blocks/0/")) == [False] * 3 + [True] + \
       [False] * 2
-  tc = TrainConfig(lora_rank=8, lora_targets="q_proj, v_proj", lora_alpha=16)
-  assert tc.model_config().lora == lora.LoraConfig(rank=8, alpha=16,
+  tc = TrainConfig(lora_rank=8, lora_targets="v_proj, q_proj", lora_alpha=16)
+  assert tc.model_config().lora == lora.LoraConfig(rank=8, alpha=16,  # any order: one config
                                                    targets=("q_proj", "v_proj"))
   for bad, message in ((dict(freeze="(["), "--freeze"),
                        (dict(lora_rank=4, lora_targets="qproj"), "--lora_"),

@@ -116,7 +116,9 @@ class Executor:
         if op.m != self.m and op.m < prog.grad_accum:
           self.m = op.m
           lo, hi = op.m * rows // prog.grad_accum, (op.m + 1) * rows // prog.grad_accum
-          self.micro = self._inputs({k: v[lo:hi] for k, v in batch.items()}, key, lo)
+          # Rows of the global batch: each process holds a contiguous block of it.
+          self.micro = self._inputs({k: v[lo:hi] for k, v in batch.items()}, key,
+                                    lo + jax.process_index() * rows)
         if self.on_op is not None:
           self.on_op(op)
         self._run[type(op)](op)
@@ -128,10 +130,10 @@ class Executor:
     to = self.rt.transport.to_device
     self.input_bytes += sum(v.nbytes for v in micro.values())
     extra = {k: to(micro[k]) for k in ("positions", "segment_ids") if k in micro}
-    if key is not None:  # each sequence's masks from its row of the whole batch
+    lc = self.tpl.cfg.lora
+    if key is not None and lc is not None and lc.dropout:  # masks by global batch row
       rows = np.arange(row0, row0 + micro["input_ids"].shape[0])
-      extra["dropout_keys"] = to(np.asarray(jax.random.key_data(
-          lora.sequence_keys(key, rows))))
+      extra["dropout_keys"] = to(np.asarray(lora.sequence_keys(key, rows)))
     return Micro({k: to(micro[k]) for k in ("input_ids", "labels", "loss_mask")}, extra)
 
   def _apply(self, op: ops.Op, *arrays) -> None:

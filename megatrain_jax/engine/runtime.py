@@ -192,6 +192,16 @@ class Runtime:
     return {key: store.state_layout(name)
             for name, key in zip(store.state_names(), self.state_keys())}
 
+  def frozen_checksums(self) -> dict[str, int]:
+    """A CRC-32 of each part's frozen values.
+
+    Returns:
+      Part name -> checksum, for the units with frozen values.
+    """
+    store = self.host_opt.store
+    return {self.schedule.state_key(u): store.frozen_checksum(u)
+            for u in range(len(store.specs)) if store.frozen[u] is not None}
+
   def snapshot(self, max_copies: int) -> Snapshot:
     """A snapshot of the host state, installed until the writer closes it.
 

@@ -1,9 +1,9 @@
 """StreamingTrainer: host-resident state, one unit on the accelerator at a time.
 
-A facade over the engine's parts (docs/engine.md has the map): it builds them, runs
-a step's program through the `Executor`, applies the non-finite policy, and offers
-the state interface checkpoints use. The threads live in a `Runtime`, which the facade's
-finalizer shuts down if it is dropped without `close()`.
+A facade over the engine's parts (docs/engine.md has the map): it builds them, runs a
+step's program through the `Executor`, applies the non-finite policy, and offers the
+state interface checkpoints use. Its `Runtime` holds the threads (shut down by a
+finalizer if the trainer is dropped without `close()`).
 """
 
 from __future__ import annotations
@@ -131,8 +131,8 @@ class StreamingTrainer:
 
     Args:
       batch: {"input_ids", "labels", "loss_mask"}, each [B, T].
-      key: the step's PRNG key for LoRA dropout: sequence r of the batch draws its
-        masks from `fold_in(key, r)` (as `ResidentTrainer`, whatever grad_accum).
+      key: the step's PRNG key for LoRA dropout: the global batch's sequence r draws
+        its masks from `fold_in(key, r)`, as in `ResidentTrainer`.
 
     Returns:
       {"loss", "tokens", "step_time_s"}, and "skipped": True for a non-finite step
@@ -184,8 +184,6 @@ class StreamingTrainer:
     if self._next_started is not None and self._next_started != plan:
       self._cancel_prefetch()  # fetched ahead for another batch shape
     started, self._next_started = self._next_started is not None, None
-    if self.cfg.lora is None or not self.cfg.lora.dropout:
-      key = None
     run = self._executor.run(plan, plan.program(update, started), batch, total, guard, key)
     self._next_started = plan if update else None
     return run
@@ -264,6 +262,8 @@ class StreamingTrainer:
   transport = property(lambda self: self._rt.transport, doc="How this trainer moves bytes.")
   runtime = property(lambda self: self._rt, doc="The `Runtime`: the parts its threads "
                      "share (the ledger, the update clock, the prefetcher).")
+  frozen_checksums = property(lambda self: self._rt.frozen_checksums(), doc="Part name -> "
+                              "a CRC-32 of its frozen values (`trainable=`; they never change).")
 
   def _settled(self) -> None:
     """Valid, with the last step's updates done (nothing to wait for once closed)."""
@@ -308,8 +308,8 @@ class StreamingTrainer:
       max_copies: parts an update copies ahead of the writer before it waits for it.
 
     Returns:
-      The `Snapshot`, parts in the order the next updates change them; the writer
-      closes it when done.
+      The `Snapshot` (parts in the order the next updates change them), which the
+      writer closes.
     """
     self._settled()
     return self._rt.snapshot(max_copies)
@@ -317,8 +317,8 @@ class StreamingTrainer:
   def restore(self, read: Callable[[str], dict[str, Any]], step_count: int) -> None:
     """Loads every part of `state_layout()`, one unit at a time.
 
-    A trainer invalid after a failure is revived once every part is loaded. If `read`
-    fails partway the trainer is invalid.
+    A trainer invalid after a failure is revived once every part is loaded; if `read`
+    fails partway the trainer is invalid. Parts without "frozen" keep their own.
 
     Args:
       read: part name -> its arrays (the caller checked the layout).

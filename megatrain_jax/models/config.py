@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from megatrain_jax.models.lora import ATTENTION_TARGETS, TARGETS, LoraConfig
+from megatrain_jax.models.lora import ATTENTION_TARGETS, LoraConfig
 from megatrain_jax.models.rope import RopeScaling
 
 # Fields added after checkpoints were first written: `to_dict` leaves them out at their
@@ -138,6 +138,13 @@ class LlamaConfig:
           "projections, and this model's MoE layers keep their experts as stacked "
           "[E, in, out] kernels that take no adapters; target the attention "
           f"projections {list(ATTENTION_TARGETS)} instead.")
+    if (self.lora is not None and self.lora.dropout and self.lora.mlp_targets()
+        and self.mlp_chunk):
+      raise ValueError(
+          f"LoRA dropout on {list(self.lora.mlp_targets())} with mlp_chunk="
+          f"{self.mlp_chunk}: a chunk mixes the tokens of several sequences, and each "
+          "sequence draws its own masks. Unset mlp_chunk, set LoraConfig.dropout=0, or "
+          "target the attention projections only.")
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"LlamaConfig.n_heads={self.n_heads} is not divisible by "
@@ -276,7 +283,7 @@ class LlamaConfig:
     shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
               "gate_proj": (d, self.d_ff), "up_proj": (d, self.d_ff),
               "down_proj": (self.d_ff, d)}
-    return sum(self.lora.rank * sum(shapes[t]) for t in self.lora.targets if t in TARGETS)
+    return sum(self.lora.rank * sum(shapes[t]) for t in self.lora.targets)
 
   def param_count(self, include_embeddings: bool = True, active: bool = False) -> int:
     """Total parameters; `include_embeddings=False` drops embedding and LM head.

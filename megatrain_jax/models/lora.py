@@ -63,6 +63,8 @@ class LoraConfig:
                        f"choose among {list(ALL_TARGETS)}.")
     if len(set(self.targets)) != len(self.targets):
       raise ValueError(f"LoraConfig.targets {list(self.targets)!r} names a projection twice.")
+    # One spelling per set of targets (the order given does not matter).
+    object.__setattr__(self, "targets", tuple(t for t in ALL_TARGETS if t in self.targets))
     if not isinstance(self.dropout, (int, float)) or not 0.0 <= self.dropout < 1.0:
       raise ValueError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}.")
 
@@ -128,10 +130,12 @@ class Adapters:
   Attributes:
     scale: alpha / rank.
     rate: the dropout probability.
-    keys: one PRNG key per sequence of the batch (a [B] key array, already folded
-      with the layer), or None: no dropout (evaluation, or `rate` 0). Each
-      sequence's masks come from its own key, so a batch split into micro-batches
-      draws the same masks as the whole batch.
+    keys: one PRNG key per sequence of the batch, as raw key data (uint32 [B, 2],
+      `jax.random.key_data`; already folded with the layer), or None: no dropout
+      (evaluation, or `rate` 0). Each sequence's masks come from its own key, so a
+      batch split into micro-batches draws the same masks as the whole batch. Raw
+      data, not typed keys, so that a layer that keeps its residuals keeps plain
+      arrays.
   """
 
   scale: float
@@ -153,58 +157,78 @@ class Adapters:
     """
     if self.keys is not None and self.rate > 0:
       slot = ALL_TARGETS.index(target)
-      keep = jax.vmap(lambda k: jax.random.bernoulli(
-          jax.random.fold_in(k, slot), 1.0 - self.rate, x.shape[1:]))(self.keys)
+      draw = lambda k: jax.random.bernoulli(
+          jax.random.fold_in(jax.random.wrap_key_data(k), slot), 1.0 - self.rate,
+          x.shape[1:])
+      keep = jax.vmap(draw)(self.keys)
       x = jnp.where(keep, x * jnp.asarray(1.0 / (1.0 - self.rate), x.dtype),
                     jnp.zeros((), x.dtype))
-    return (x @ p["lora_a"]) @ p["lora_b"] * jnp.asarray(self.scale, x.dtype)
+    # As one [tokens, in] matrix: XLA's CPU backend differentiates a [B, T, in] @
+    # [in, r] product three times slower (its weight gradient contracts two axes).
+    x2 = x.reshape(-1, x.shape[-1])
+    y = (x2 @ p["lora_a"]) @ (p["lora_b"] * jnp.asarray(self.scale, x.dtype))  # r x out
+    return y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 def layer_keys(keys, layer):
   """Per-sequence dropout keys of one layer, from the step's per-sequence keys.
 
   Args:
-    keys: a [B] key array (`sequence_keys`; or its `jax.random.key_data`), or None.
+    keys: raw key data, uint32 [B, 2] (`sequence_keys`), or None.
     layer: the layer's index (an int or a traced scalar).
 
   Returns:
-    Each key folded with `layer`, or None.
+    Each key folded with `layer`, as raw key data; or None.
   """
   if keys is None:
     return None
-  if not jax.dtypes.issubdtype(keys.dtype, jax.dtypes.prng_key):  # raw key data
-    keys = jax.random.wrap_key_data(keys)
-  return jax.vmap(lambda k: jax.random.fold_in(k, layer))(keys)
+  fold = lambda k: jax.random.key_data(jax.random.fold_in(jax.random.wrap_key_data(k), layer))
+  return jax.vmap(fold)(keys)
 
 
 def check_key(lora: LoraConfig | None, key) -> None:
-  """Refuses a training step with LoRA dropout and no key.
+  """Refuses a training step with LoRA dropout and no key, or not one key.
 
   Args:
     lora: the model's adapters' config (or None).
     key: the step's PRNG key (or None).
 
   Raises:
-    ValueError: dropout is on and `key` is None.
+    ValueError: dropout is on and `key` is None or not a single PRNG key of the
+      default implementation.
   """
-  if lora is not None and lora.dropout > 0 and key is None:
+  if lora is None or not lora.dropout:
+    return
+  if key is None:
     raise ValueError(f"LoRA dropout ({lora.dropout}) draws its masks from a PRNG key: pass "
                      "step(batch, key=...) with a new key each step (e.g. "
                      "jax.random.fold_in(key, step)), or set LoraConfig.dropout=0.")
+  typed = hasattr(key, "dtype") and jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+  raw_shape = jax.random.key_data(jax.random.key(0)).shape
+  ok = ((typed and key.shape == () and jax.random.key_impl(key) == jax.random.key_impl(
+      jax.random.key(0))) or (not typed and hasattr(key, "shape")
+                              and tuple(key.shape) == raw_shape and key.dtype == jnp.uint32))
+  if not ok:
+    raise ValueError(f"step(key=...) must be one PRNG key of the default implementation "
+                     f"(jax.random.key(seed)), got {type(key).__name__} "
+                     f"{getattr(key, 'dtype', '')}{list(getattr(key, 'shape', ()))}.")
 
 
 def sequence_keys(key: jax.Array, rows) -> jax.Array:
-  """One dropout key per sequence of a step's batch.
+  """One dropout key per sequence of a step's batch, as raw key data.
 
   Args:
-    key: the step's key.
-    rows: the sequences' indices in the step's whole batch ([B] ints), so that a
+    key: the step's key (typed, or raw uint32 data).
+    rows: the sequences' indices in the step's global batch ([B] ints), so that a
       micro-batch draws what the whole batch would for the same sequences.
 
   Returns:
-    A [B] key array.
+    uint32 [B, 2] (`jax.random.key_data` of each sequence's key).
   """
-  return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.asarray(rows, jnp.uint32))
+  if not jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key):
+    key = jax.random.wrap_key_data(key)
+  return jax.vmap(lambda r: jax.random.key_data(jax.random.fold_in(key, r)))(
+      jnp.asarray(rows, jnp.uint32))
 
 
 def merged(p: dict, scale: float) -> dict:
@@ -238,6 +262,22 @@ def strip_adapters(tree: Any) -> Any:
   if isinstance(tree, list):
     return [strip_adapters(v) for v in tree]
   return tree
+
+
+def has_adapters(tree: Any) -> bool:
+  """Whether a tree (nested dicts and lists) holds any adapter leaf.
+
+  Args:
+    tree: a whole model's or a unit's tree.
+
+  Returns:
+    True if some dict in it has a lora_a or lora_b entry.
+  """
+  if isinstance(tree, dict):
+    return any(k in ADAPTER_KEYS or has_adapters(v) for k, v in tree.items())
+  if isinstance(tree, list):
+    return any(has_adapters(v) for v in tree)
+  return False
 
 
 def is_adapter(path: tuple) -> bool:

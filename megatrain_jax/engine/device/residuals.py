@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.models import llama
@@ -96,13 +97,20 @@ def forward(cfg: LlamaConfig, spec: FlatSpec, window, recompute: str, flat, x, p
   Returns:
     (its output, its router stats or None, the kept residuals, their `Layout`).
   """
-  params = spec.unflatten(flat)
-  f = _layer_fn(cfg, window, pos, seg, keys)
+  params, treedef = jax.tree.flatten(spec.unflatten(flat))
+  layer = _layer_fn(cfg, window, pos, seg, keys)
+  trained = [i for i, t in enumerate(spec.trains) if t]
+
+  def f(tp, x):  # differentiated in the leaves that train only: no frozen weight gradient
+    leaves = list(params)
+    for i, leaf in zip(trained, tp):
+      leaves[i] = leaf
+    return layer(treedef.unflatten(leaves), x)
   if policy(recompute) is not None:
     f = jax.checkpoint(f, policy=policy(recompute))
-  (y, _), vjp, stats = jax.vjp(f, params, x, has_aux=True)
+  (y, _), vjp, stats = jax.vjp(f, [params[i] for i in trained], x, has_aux=True)
   leaves, treedef = jax.tree.flatten(vjp)
-  where = {id(p): i for i, p in enumerate(jax.tree.leaves(params))}
+  where = {id(p): i for i, p in enumerate(params)}
   where[id(x)] = _INPUT
   slots = tuple(where.get(id(leaf)) for leaf in leaves)
   kept = [leaf for leaf, s in zip(leaves, slots) if s is None]
@@ -155,7 +163,8 @@ def backward(spec: FlatSpec, layout: Layout, flat, x, kept, g, g_probs
     g_probs: the gradient of its router probabilities (None for a dense layer).
 
   Returns:
-    (the gradient of its flat parameters, of its input).
+    (the gradient of its flat parameters that train, `spec.train_size` elements; of
+    its input).
 
   Raises:
     ValueError: `kept` does not have the shapes and dtypes `layout` says.
@@ -170,5 +179,7 @@ def backward(spec: FlatSpec, layout: Layout, flat, x, kept, g, g_probs
   rest = iter(kept)
   leaves = [next(rest) if s is None else x if s == _INPUT else params[s]
             for s in layout.slots]
-  g_tree, g_x = jax.tree.unflatten(layout.treedef, leaves)((g, g_probs))
-  return spec.flatten(g_tree), g_x
+  g_trained, g_x = jax.tree.unflatten(layout.treedef, leaves)((g, g_probs))
+  if not g_trained:  # a layer with nothing that trains
+    return jnp.zeros((0,), jnp.float32), g_x
+  return jnp.concatenate([a.reshape(-1) for a in g_trained]), g_x

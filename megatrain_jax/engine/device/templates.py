@@ -106,7 +106,7 @@ class Templates:
 
     def block_bwd(flat, x, g, g_probs, pos, seg, keys, spec, window):
       def f(ft, x):  # differentiated in the elements that train only
-        p = spec.unflatten(spec.join(ft, flat[spec.train_size:]))
+        p = spec.unflatten_split(ft, flat[spec.train_size:])
         y, stats = llama.block_apply_stats(cfg, p, x, pos, window, seg, keys)
         return y, None if stats is None else stats.probs
       _, vjp = jax.vjp(f, flat[:spec.train_size], x)
@@ -120,20 +120,19 @@ class Templates:
     def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, keys, spec, window):
       layout = residuals.layout(cfg, spec, window, recompute, flat, x, pos, seg, keys)
       g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
-      g_flat = g_flat[:spec.train_size]  # the frozen elements' part is not sent
       return g_x, g_flat, all_finite(g_flat)
 
-    def loss(fh, fe, x, labels, mask):  # the head's loss sum from its flat units
-      return head_loss_sum(cfg, head.unflatten(fh), embed.unflatten(fe) if tied else None,
-                           x, labels, mask, chunk)
+    def loss(ph, pe, x, labels, mask):  # the head's loss sum from its unit trees
+      return head_loss_sum(cfg, ph, pe if tied else None, x, labels, mask, chunk)
 
-    # Each unit is differentiated in the elements that train only (`FlatSpec.join`).
+    # Each unit is differentiated in the elements that train only
+    # (`FlatSpec.unflatten_split`).
     trained = lambda spec, flat: None if flat is None else flat[:spec.train_size]
-    whole = lambda spec, ft, flat: None if flat is None else spec.join(
+    tree = lambda spec, ft, flat: None if flat is None else spec.unflatten_split(
         ft, flat[spec.train_size:])
 
     def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
-      f = lambda th, te, x: loss(whole(head, th, flat_h), whole(embed, te, flat_e), x,
+      f = lambda th, te, x: loss(tree(head, th, flat_h), tree(embed, te, flat_e), x,
                                  labels, mask)
       loss_sum, vjp = jax.vjp(f, trained(head, flat_h), trained(embed, flat_e), x)
       g_h, g_e, g_x = vjp(scale)
@@ -143,9 +142,8 @@ class Templates:
       # The last layer and the head in one vjp: the layer's forward runs once, and
       # its residuals live only inside this call.
       def f(tb, th, te, x):
-        p = spec.unflatten(whole(spec, tb, flat_b))
-        y, _ = llama.block_apply_stats(cfg, p, x, pos, window, seg, keys)
-        return loss(whole(head, th, flat_h), whole(embed, te, flat_e), y, labels, mask)
+        y, _ = llama.block_apply_stats(cfg, tree(spec, tb, flat_b), x, pos, window, seg, keys)
+        return loss(tree(head, th, flat_h), tree(embed, te, flat_e), y, labels, mask)
       loss_sum, vjp = jax.vjp(f, trained(spec, flat_b), trained(head, flat_h),
                               trained(embed, flat_e), x)
       g_b, g_h, g_e, g_x = vjp(scale)

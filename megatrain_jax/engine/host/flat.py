@@ -143,14 +143,20 @@ class FlatSpec:
               for off, n, shape in zip(self.offsets, self.sizes, self.shapes)]
     return self.treedef.unflatten(leaves)
 
-  def join(self, trained: Any, frozen: Any) -> Any:
-    """The unit's flat vector from its trained and frozen parts (traceable).
+  def unflatten_split(self, trained: Any, frozen: Any) -> Any:
+    """The tree from its trained and frozen parts, each leaf a slice of one of them
+    (traceable). Differentiated in `trained`, a frozen leaf then has no gradient at
+    all: joining the parts into one vector first would make every leaf depend on
+    `trained`, and the backward would compute the frozen weights' gradients too.
 
     Args:
       trained: the first `train_size` elements.
       frozen: the rest (ignored when nothing is frozen).
 
     Returns:
-      The whole vector.
+      The tree.
     """
-    return trained if self.train_size == self.size else jnp.concatenate([trained, frozen])
+    leaves = [(trained[off:off + n] if t else
+               frozen[off - self.train_size:off - self.train_size + n]).reshape(shape)
+              for off, n, shape, t in zip(self.offsets, self.sizes, self.shapes, self.trains)]
+    return self.treedef.unflatten(leaves)

@@ -14,6 +14,7 @@ written copy what is about to be donated) and puts its next state back (`put`).
 from __future__ import annotations
 
 import abc
+import zlib
 from typing import Any, Callable, Sequence
 
 import jax
@@ -139,6 +140,7 @@ class HostStore(StateStore):
       self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
       if isinstance(masters, list):
         masters[u] = None  # its parts hold it now: never two copies of the model
+    self._frozen_sums: list[int | None] = [None] * len(self.specs)
     self.states = [updater.init(t, p) for t, p in zip(self.trained, self.parts)]
     self.shared = updater.init_shared(self.trained, [p[0] for p in self.parts])
     self.accum: list[jax.Array | None] = [None] * len(self.specs)
@@ -345,3 +347,19 @@ class HostStore(StateStore):
     self.states[name] = tuple(states)
     if self.frozen[name] is not None and "frozen" in arrays:  # else: the base as loaded
       self.frozen[name] = self._put(arrays["frozen"], self.frozen[name].dtype)
+      self._frozen_sums[name] = None
+
+  def frozen_checksum(self, u: int) -> int:
+    """A CRC-32 of a unit's frozen values, computed once (they change only by
+    `load_state`).
+
+    Args:
+      u: a unit with frozen values.
+
+    Returns:
+      The CRC-32 of their bytes.
+    """
+    if self._frozen_sums[u] is None:
+      x = np.ascontiguousarray(np.asarray(self.frozen[u])).reshape(-1)
+      self._frozen_sums[u] = zlib.crc32(x.view(np.uint8))
+    return self._frozen_sums[u]

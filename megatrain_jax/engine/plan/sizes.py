@@ -156,10 +156,12 @@ def kept_bytes(cfg: LlamaConfig, layer: int, recompute: str, batch: int, seq_len
   spec = FlatSpec(llama.abstract_units(cfg)[1 + layer])
   S = jax.ShapeDtypeStruct
   ids = S((batch, seq_len), jnp.int32) if packed else None
+  # LoRA dropout keeps its masks too: the training step draws them.
+  keys = S((batch, 2), jnp.uint32) if cfg.lora is not None and cfg.lora.dropout else None
   out = jax.eval_shape(
-      lambda flat, x, pos, seg: residuals.forward(cfg, spec, cfg.layer_window(layer), recompute,
-                                        flat, x, pos, seg)[2],
-      S((spec.size,), dtype), S((batch, seq_len, cfg.d_model), dtype), ids, ids)
+      lambda flat, x, pos, seg, keys: residuals.forward(
+          cfg, spec, cfg.layer_window(layer), recompute, flat, x, pos, seg, keys)[2],
+      S((spec.size,), dtype), S((batch, seq_len, cfg.d_model), dtype), ids, ids, keys)
   return sum(a.size * jnp.dtype(a.dtype).itemsize for a in jax.tree.leaves(out))
 
 
