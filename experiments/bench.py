@@ -1,12 +1,13 @@
 """Benchmarks: every figure a side-by-side ratio, medians after warm-up.
 
-  python experiments/bench.py --suite=cpu --out=bench.json      # ~8-12 min on 2 CPU cores
+  python experiments/bench.py --suite=cpu --out=bench.json      # ~25 min on 2 CPU cores
 
 Writes one JSON object with stream_over_resident_remat, stream_over_resident,
 overlap_efficiency, no_prefetch_over_prefetch, host_opt_bw_ratio,
-host_bytes_per_param, and the sizes, times and machine behind them.
+host_bytes_per_param, lora_over_full_step, host_bytes_per_base_param_lora, and the
+sizes, times and machine behind them.
 `--suite=smoke` runs the same code on tiny sizes in about a minute (no goals).
-`--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory).
+`--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory, lora).
 Two profiles run only when named: `templates`, the per-layer calls alone, and
 `host_optimizer_profile`, where the host AdamW's time goes (`--opt_slab` sets its
 piece size, `--host_chunk` the in-place loop's chunk in both host-optimizer parts).

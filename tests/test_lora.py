@@ -84,15 +84,16 @@ def test_streaming_lora_equals_resident_and_the_base_does_not_move(cfg, lora_con
              if k[-1] == "lora_b")
 
 
-def test_dropout_masks_come_from_the_key():
-  # Two keys give two different steps; no key with dropout on is refused, naming it.
-  cfg, lc = CFG, lora.LoraConfig(rank=4, alpha=8, dropout=0.5)
+def test_dropout_masks_come_from_the_key_and_a_bad_key_is_refused():
+  # Two keys give two different steps; no key (or not one key) with dropout on is
+  # refused, naming it, before anything changes.
+  cfg, lc = TINY, lora.LoraConfig(rank=4, alpha=8, dropout=0.5)
   ref = mt.ResidentTrainer(_model(cfg, lc), optax.sgd(0.0), trainable=nnx.LoRAParam)
   batch = BATCHES[0]
   # lora_b is zero at the start, so the loss cannot see dropout: the gradient can.
   _, g1 = ref.loss_and_grads(batch, KEYS[0])
   _, g2 = ref.loss_and_grads(batch, KEYS[1])
-  _, g1_again = ref.loss_and_grads(batch, KEYS[0])
+  _, g1_again = ref.loss_and_grads(batch, jax.random.key_data(KEYS[0]))  # raw data too
   b1, b2, b1_again = (g["blocks"][0]["attn"]["q"]["lora_b"] for g in (g1, g2, g1_again))
   np.testing.assert_array_equal(b1, b1_again)
   assert not np.allclose(b1, b2)
@@ -102,7 +103,10 @@ def test_dropout_masks_come_from_the_key():
                            trainable=nnx.LoRAParam) as eng:
     with pytest.raises(ValueError, match="LoRA dropout"):
       eng.step(batch)
-    eng.step(batch, KEYS[0])  # the refused step changed nothing: the trainer goes on
+    for bad in (3, jax.random.split(KEYS[0], 2)):
+      with pytest.raises(ValueError, match="one PRNG key"):
+        eng.step(batch, bad)
+    eng.step(batch, KEYS[0])  # the refused steps changed nothing: the trainer goes on
 
 
 def test_only_the_adapters_gradients_leave_and_only_they_have_state():
@@ -140,16 +144,6 @@ def test_a_fresh_adapter_leaves_the_output_unchanged_and_merge_folds_it_in():
   lora.merge(model)
   assert model.cfg.lora is None and not lora.adapter_tree(model.param_tree())
   np.testing.assert_allclose(np.asarray(model(ids)), adapted, rtol=1e-4, atol=1e-5)
-
-
-def test_a_bad_key_is_refused_before_the_step():
-  lc = lora.LoraConfig(rank=4, alpha=8, dropout=0.5)
-  with mt.StreamingTrainer(_model(CFG, lc), optax.sgd(0.1), mt.EngineConfig(),
-                           trainable=nnx.LoRAParam) as eng:
-    for bad in (3, jax.random.split(KEYS[0], 2)):
-      with pytest.raises(ValueError, match="one PRNG key"):
-        eng.step(BATCHES[0], bad)
-    eng.step(BATCHES[0], jax.random.key_data(KEYS[0]))  # raw key data is a key too
 
 
 def test_bad_lora_configs_are_refused_with_the_reason():
