@@ -66,13 +66,21 @@ def rotary(x_BxTxHxK, positions_T, theta, scaling: RopeScaling | None = None):
   return out.astype(x_BxTxHxK.dtype)
 
 
-def _dense(p, x, adapters: Adapters | None = None, target: str = ""):
+def _dense(p, x, delta=None):
   y = x @ p["kernel"]
   if "bias" in p:
     y = y + p["bias"]
-  if "lora_a" in p:  # a low-rank adapter (`models.lora`)
-    y = y + adapters.delta(p, x, target)
+  if "lora_a" in p:  # a low-rank adapter (`models.lora`): its addition, made beside
+    if delta is None:
+      raise ValueError("A projection has LoRA adapters but its model's config has "
+                       "lora=None: build the model with the config mt.lora.apply made.")
+    y = y + delta
   return y
+
+
+def _adapted(adapters: Adapters | None, ps: dict, x) -> dict:
+  """The adapter additions of projections sharing the input x ({} without adapters)."""
+  return {} if adapters is None else adapters.deltas(ps, x)
 
 
 ATTENTION_KERNELS = ("xla", "cudnn", "blockwise")
@@ -128,9 +136,10 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
   """
   b, t, _ = x_BxTxD.shape
   hd = cfg.head_dim
-  q = _dense(p["q"], x_BxTxD, adapters, "q_proj").reshape(b, t, cfg.n_heads, hd)
-  k = _dense(p["k"], x_BxTxD, adapters, "k_proj").reshape(b, t, cfg.n_kv_heads, hd)
-  v = _dense(p["v"], x_BxTxD, adapters, "v_proj").reshape(b, t, cfg.n_kv_heads, hd)
+  d = _adapted(adapters, {"q_proj": p["q"], "k_proj": p["k"], "v_proj": p["v"]}, x_BxTxD)
+  q = _dense(p["q"], x_BxTxD, d.get("q_proj")).reshape(b, t, cfg.n_heads, hd)
+  k = _dense(p["k"], x_BxTxD, d.get("k_proj")).reshape(b, t, cfg.n_kv_heads, hd)
+  v = _dense(p["v"], x_BxTxD, d.get("v_proj")).reshape(b, t, cfg.n_kv_heads, hd)
   if cfg.qk_norm:  # Qwen3: an RMS norm over each head, before the rotation
     q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
     k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
@@ -148,7 +157,8 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
                                       block_k=cfg.attention_block)
   else:
     o = dense_attention(q, k, v, segment_ids, window)
-  return _dense(p["o"], o.reshape(b, t, cfg.n_heads * hd), adapters, "o_proj")
+  o = o.reshape(b, t, cfg.n_heads * hd)
+  return _dense(p["o"], o, _adapted(adapters, {"o_proj": p["o"]}, o).get("o_proj"))
 
 
 def _visible(t: int, segment_ids, window: int | None):
@@ -260,8 +270,10 @@ def mlp(p: Params, x_BxTxD, adapters: Adapters | None = None):
   Returns:
     The output, [B, T, D].
   """
-  return _dense(p["down"], silu(_dense(p["gate"], x_BxTxD, adapters, "gate_proj"))
-                * _dense(p["up"], x_BxTxD, adapters, "up_proj"), adapters, "down_proj")
+  d = _adapted(adapters, {"gate_proj": p["gate"], "up_proj": p["up"]}, x_BxTxD)
+  h = silu(_dense(p["gate"], x_BxTxD, d.get("gate_proj"))) * _dense(p["up"], x_BxTxD,
+                                                                   d.get("up_proj"))
+  return _dense(p["down"], h, _adapted(adapters, {"down_proj": p["down"]}, h).get("down_proj"))
 
 
 def over_token_chunks(fn, x_BxTxD, chunk: int):
