@@ -271,8 +271,8 @@ def save_pretrained(model_or_trainer, cfg: LlamaConfig, out_dir: str,
       raise ValueError("The model has LoRA adapters, which a plain checkpoint has no place "
                        "for: pass merge_lora=True to fold them into the weights, or write "
                        "them alone with mt.hf.save_adapter.")
-    scale, paths = cfg.lora.scale, cfg.lora.paths()
-    units = (_merged_unit(t, paths, scale) for t in units)
+    lc = cfg.lora
+    units = (lora_lib.merged_unit(t, lc) for t in units)
     cfg = cfg.replace(lora=None)
   else:
     units = (_without_adapters(t) for t in units)
@@ -324,16 +324,6 @@ def _without_adapters(tree: Params) -> Params:
                      "config read before mt.lora.apply?): pass the model's own config "
                      "(model.cfg or trainer.cfg), with merge_lora=True.")
   return tree
-
-
-def _merged_unit(tree: Params, paths, scale: float) -> Params:
-  """A unit tree with its adapters (if any) folded into their kernels."""
-  out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
-  for part, name in paths:
-    if part in out and name in out[part] and "lora_a" in out[part][name]:
-      out[part][name] = {k: np.asarray(v) for k, v in
-                         lora_lib.merged(out[part][name], scale).items()}
-  return out
 
 
 # Files of a source checkpoint that a fine-tuned export carries over unchanged.

@@ -1,6 +1,6 @@
 """LoRA: low-rank adapters on a frozen base, trained by either trainer.
 
-  model = mt.Llama(cfg, rngs=nnx.Rngs(0))          # or mt.hf.load_model(dir)
+  model = mt.Llama(cfg, rngs=nnx.Rngs(0))          # or mt.hf.from_pretrained(dir)[1]
   model = mt.lora.apply(model, mt.lora.LoraConfig(rank=16, alpha=32),
                         rngs=nnx.Rngs(1))
   trainer = mt.StreamingTrainer(model, tx, config, trainable=nnx.LoRAParam)
@@ -22,7 +22,7 @@ from flax import nnx
 from megatrain_jax.models import llama
 from megatrain_jax.models.lora import (  # pylint: disable=unused-import
     ALL_TARGETS, ATTENTION_TARGETS, ADAPTER_KEYS, LoraConfig, is_adapter, merged,
-    strip_adapters)
+    merged_unit, strip_adapters)
 from megatrain_jax.models.params import init_adapters_tree
 
 
@@ -76,21 +76,13 @@ def merged_tree(cfg, params: dict) -> dict:
   """A whole model's tree with its adapters folded into the kernels.
 
   Args:
-    cfg: the model's config (its `lora` gives the scale).
+    cfg: the model's config (its `lora` gives the targets and scale).
     params: the tree, with adapters.
 
   Returns:
     The tree without adapters, fp32 where merged.
   """
-  scale = cfg.lora.scale
-  blocks = []
-  for b in params["blocks"]:
-    b = {k: (dict(v) if isinstance(v, dict) else v) for k, v in b.items()}
-    for part, name in cfg.lora.paths():
-      if name in b[part]:
-        b[part][name] = merged(b[part][name], scale)
-    blocks.append(b)
-  return {**params, "blocks": blocks}
+  return {**params, "blocks": [merged_unit(b, cfg.lora) for b in params["blocks"]]}
 
 
 def adapter_tree(params: dict) -> dict:

@@ -22,6 +22,11 @@ TREES = [{"a": np.zeros((7, 5), np.float32), "b": np.zeros(11, np.float32)},
          {"a": np.zeros((4, 4), np.float32), "b": np.zeros(9, np.float32)}]
 
 
+def _flat(spec, tree):  # the whole flat fp32 vector: trained leaves, then frozen ones
+  trained, frozen = spec.split_np(tree)
+  return trained if frozen is None else np.concatenate([trained, frozen])
+
+
 def _values(seed, scale=1.0):
   rng = np.random.default_rng(seed)
   return [jax.tree.map(lambda x: (scale * rng.standard_normal(x.shape)).astype(np.float32), t)
@@ -31,7 +36,7 @@ def _values(seed, scale=1.0):
 def _store(updater, seed=0, masks=None):
   masks = masks or [None] * len(TREES)
   specs = [FlatSpec(t, m) for t, m in zip(TREES, masks)]
-  masters = [s.flatten_np(v) for s, v in zip(specs, _values(seed))]
+  masters = [_flat(s, v) for s, v in zip(specs, _values(seed))]
   return HostStore(updater, specs, masters, HOST), specs
 
 
@@ -59,12 +64,12 @@ def test_fused_adamw_is_optax_adamw_bit_for_bit_in_any_split():
     updater = U.FusedAdamW(SHARDING, tx.hyper, threads, chunk)
     store, specs = _store(updater)
     want = [_reference(optax.adamw(1e-2, weight_decay=0.1), 3,
-                       [jnp.asarray(specs[u].flatten_np(g[u])) for g in grads],
-                       jnp.asarray(specs[u].flatten_np(_values(0)[u])))
+                       [jnp.asarray(_flat(specs[u], g[u])) for g in grads],
+                       jnp.asarray(_flat(specs[u], _values(0)[u])))
             for u in range(3)]
     for g in grads:
       for u, spec in enumerate(specs):
-        flat = jnp.asarray(spec.flatten_np(g[u]))
+        flat = jnp.asarray(_flat(spec, g[u]))
         store.put(u, updater.update(spec, store.take(u), flat, None))
     for u in range(3):
       np.testing.assert_array_equal(store.master(u), want[u])
@@ -78,7 +83,7 @@ def test_optax_units_runs_an_element_wise_transform_on_each_unit_tree():
   grads = [_values(20 + k) for k in range(3)]
   for g in grads:
     for u, spec in enumerate(specs):
-      store.put(u, updater.update(spec, store.take(u), jnp.asarray(spec.flatten_np(g[u])), None))
+      store.put(u, updater.update(spec, store.take(u), jnp.asarray(_flat(spec, g[u])), None))
   for u, tree in enumerate(_unit_trees(store, specs)):
     want = _reference(tx, 3, [g[u] for g in grads], _values(0)[u])
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
@@ -96,7 +101,7 @@ def test_global_norm_clip_equals_the_optax_chain_over_the_whole_tree(inner):
   grads = [_values(30 + k, 10.0) for k in range(2)]  # norms far above 0.5: the clip engages
   for g in grads:
     for u, spec in enumerate(specs):
-      store.accumulate(u, jnp.asarray(spec.flatten_np(g[u])))
+      store.accumulate(u, jnp.asarray(_flat(spec, g[u])))
     updater.sweep(store, [store.take_gradient(u) for u in range(3)], lambda u: None)
   want = _reference(optax.chain(optax.clip_by_global_norm(0.5), tx_inner), 2, grads,
                     _values(0))
@@ -116,7 +121,7 @@ def test_whole_tree_runs_a_transform_that_mixes_units_on_the_whole_tree():
   grads = [_values(40 + k) for k in range(3)]
   for g in grads:
     for u, spec in enumerate(specs):
-      store.accumulate(u, jnp.asarray(spec.flatten_np(g[u])))
+      store.accumulate(u, jnp.asarray(_flat(spec, g[u])))
     done = []
     updater.sweep(store, [store.take_gradient(u) for u in range(3)], done.append)
     assert done == [0, 1, 2]

@@ -273,6 +273,23 @@ def merged(p: dict, scale: float) -> dict:
   return out
 
 
+def merged_unit(tree: dict, lora: LoraConfig) -> dict:
+  """A unit's tree with its adapters (if any) folded into their kernels (`merged`).
+
+  Args:
+    tree: a unit's tree (a block's, or the embedding's or head's, which have none).
+    lora: the adapters' config (targets and scale).
+
+  Returns:
+    A new tree without adapters.
+  """
+  out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+  for part, name in lora.paths():
+    if "lora_a" in out.get(part, {}).get(name, {}):
+      out[part][name] = merged(out[part][name], lora.scale)
+  return out
+
+
 def strip_adapters(tree: Any) -> Any:
   """A tree without its adapter leaves (the base's tree).
 

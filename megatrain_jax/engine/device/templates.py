@@ -227,7 +227,7 @@ class Templates:
     """
     S = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
     key = (self._kinds[layer], S(flat), S(x), S(positions), S(segment_ids),
-           S(layer_keys(dropout_keys, layer)))
+           S(dropout_keys))  # folded with the layer, the same shape
     if key not in self._kept_shapes:
       spec, window = self._kinds[layer]
       lay = residuals.layout(self.cfg, spec, window, self.recompute, *key[1:])

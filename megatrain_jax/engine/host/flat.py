@@ -81,21 +81,6 @@ class FlatSpec:
       return jnp.zeros((0,), jnp.float32)
     return jnp.concatenate([jnp.reshape(leaves[i], (-1,)) for i in self.order])
 
-  def flatten_np(self, tree: Any, dtype=np.float32) -> np.ndarray:
-    """Tree -> flat host vector, copying each leaf once into a fresh buffer.
-
-    Args:
-      tree: a tree of this layout (numpy or host arrays).
-      dtype: the vector's dtype.
-
-    Returns:
-      A new numpy vector of `size` elements.
-    """
-    out = np.empty((self.size,), dtype)
-    for leaf, off, n in zip(self.treedef.flatten_up_to(tree), self.offsets, self.sizes):
-      out[off:off + n] = np.asarray(leaf, dtype).reshape(-1)
-    return out
-
   def split_np(self, tree: Any, frozen_dtype=np.float32) -> tuple[np.ndarray, np.ndarray | None]:
     """Tree -> (the trained leaves' flat fp32 vector, the frozen leaves' flat vector in
     `frozen_dtype`, or None without any), each leaf copied once: a frozen leaf is
