@@ -1,7 +1,7 @@
 """The import graph of the repository's Python files, read from their source (AST).
 
-Shared by the BUILD check and the layering check. Every import counts, those inside
-functions too.
+Shared by the BUILD check and the tests that walk the package's files. Every import
+counts, those inside functions too.
 """
 
 import ast
@@ -57,20 +57,3 @@ def imported_modules(path, modules):
   found.discard(module_of(path))
   return found
 
-
-def package_graph():
-  """module -> the package modules it imports, for every module of the package."""
-  files = py_files(PKG)
-  modules = {module_of(p): p for p in files}
-  return {m: imported_modules(p, modules) for m, p in modules.items()}
-
-
-def reachable(graph, start):
-  """Every module `start` imports, directly or through others."""
-  seen, todo = set(), [start]
-  while todo:
-    for m in graph.get(todo.pop(), ()):
-      if m not in seen:
-        seen.add(m)
-        todo.append(m)
-  return seen
