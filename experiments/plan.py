@@ -5,8 +5,8 @@
   python experiments/plan.py --model=small --hardware=measured   # calibrates this machine (~15 s)
   python experiments/plan.py --model=70b --hosts=4 --data_parallel=8 --batch_size=64  # 32 devices
 
-Hardware: h200, gh200, h100_pcie, a100, rtx3090, rtx_a6000 (published peaks, sources in
-megatrain_jax/planner/hardware.py), or measured.
+Hardware: h200, gh200, h100_pcie, a100, rtx3090, rtx_a6000, tpu_v5p, tpu_v6e, mi300x
+(published peaks, sources in megatrain_jax/planner/hardware.py), or measured.
 """
 
 from absl import app, flags

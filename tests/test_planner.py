@@ -194,3 +194,54 @@ def test_data_parallel_plan_is_per_host_and_per_device_with_the_all_reduce():
   assert many.largest_batch == 16 * one.largest_batch
   with pytest.raises(ValueError, match="multiple of 16"):
     planner.plan(cfg, ADAMW, dataclasses.replace(ec, data_parallel=8), hw, 20, 4096, hosts=2)
+
+
+TPU_AND_AMD = ("tpu_v5p", "tpu_v6e", "mi300x")
+
+
+def _largest_model(hw) -> str:
+  """The largest of the paper's models whose plan fits `hw` at 1 x 4096 tokens."""
+  ec = mt.EngineConfig(compute_dtype="bfloat16")
+  fitting = [name for name, cfg in figures.common.PAPER_MODELS.items()
+             if planner.plan(cfg, ADAMW, ec, hw, 1, 4096).fits]
+  return fitting[-1]
+
+
+@pytest.mark.parametrize("name", TPU_AND_AMD)
+def test_tpu_and_amd_profiles_plan_a_7b_model(name):
+  hw = planner.hardware(name)
+  assert hw is planner.PROFILES[name] and hw.source
+  # cuDNN's fused kernel is NVIDIA's: the plan counts the blockwise kernel.
+  assert not hw.flash_attention
+  cfg, ec = mt.preset("7b"), mt.EngineConfig(compute_dtype="bfloat16")
+  p = planner.plan(cfg, ADAMW, ec, hw, 1, 4096)
+  assert p.fits and p.largest_batch >= 1 and p.step_s > 0
+  assert p.host["total"] <= hw.host_bytes and p.device_peak <= hw.device_bytes
+  blocked = planner.plan(cfg.replace(attention_block=1024), ADAMW, ec, hw, 1, 4096)
+  assert blocked.attention == "blockwise"
+
+
+def test_plan_script_lists_every_profile():
+  with open(os.path.join(REPO, "experiments", "plan.py"), encoding="utf-8") as f:
+    doc = f.read().split('"""')[1]
+  assert all(name in doc for name in planner.PROFILES), doc
+
+
+def test_tpu_and_amd_profiles_follow_their_published_figures():
+  cfg, ec = mt.preset("7b"), mt.EngineConfig(compute_dtype="bfloat16")
+  p = {n: planner.plan(cfg, ADAMW, ec, planner.PROFILES[n], 1, 4096)
+       for n in TPU_AND_AMD + ("h100_pcie",)}
+  # More HBM, a larger batch: MI300X 192 GB against H100 PCIe 80 GB; v5p 95 GB
+  # against v6e 32 GB.
+  assert p["mi300x"].largest_batch > p["h100_pcie"].largest_batch
+  assert p["tpu_v5p"].largest_batch > p["tpu_v6e"].largest_batch
+  # Twice the peak (918 against 459 TFLOPS), half the compute time (plus the same
+  # per-call overhead).
+  assert p["tpu_v6e"].times["compute"] == pytest.approx(p["tpu_v5p"].times["compute"] / 2,
+                                                        rel=0.01)
+  # Host RAM decides the largest model: 1.5 TB (MI300X) against 512 GB (H100 PCIe),
+  # 1,536 GiB (a v6e host) against 448 GB (a v5p VM).
+  order = list(figures.common.PAPER_MODELS)
+  largest = {n: order.index(_largest_model(planner.PROFILES[n])) for n in p}
+  assert largest["mi300x"] > largest["h100_pcie"]
+  assert largest["tpu_v6e"] > largest["tpu_v5p"]

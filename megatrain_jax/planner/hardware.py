@@ -42,7 +42,8 @@ class Hardware:
   peak_flops: float
   shared: bool = False
   call_overhead_s: float = 20e-6
-  # Fused (flash) attention: the [T, T] probabilities never exist in device memory.
+  # cuDNN's fused attention (an NVIDIA GPU); False: the blockwise kernel elsewhere.
+  # Neither forms the [T, T] probabilities in device memory.
   flash_attention: bool = True
   interconnect_bytes_per_s: float = 0.8 * 64 * GB
   network_bytes_per_s: float = 0.8 * 50 * GB
@@ -71,19 +72,25 @@ class Hardware:
 
 
 def _published(name, peak_flops, link, device_bytes, host_bytes, host_opt, source,
-               mfu=0.6, d2h=None, interconnect=None):
+               mfu=0.6, d2h=None, interconnect=None, network=None, cudnn=True):
   return Hardware(name=name, layer_flops=((1, peak_flops * mfu),), h2d_bytes_per_s=link,
                   d2h_bytes_per_s=d2h or link, host_opt_bytes_per_s=host_opt,
                   device_bytes=device_bytes, host_bytes=host_bytes, peak_flops=peak_flops,
-                  interconnect_bytes_per_s=interconnect or link, source=source)
+                  flash_attention=cudnn, interconnect_bytes_per_s=interconnect or link,
+                  network_bytes_per_s=network or Hardware.network_bytes_per_s, source=source)
 
 
 # Dense BF16 tensor-core peaks and host links from the vendors' datasheets. The
 # compute time assumes 60% of peak on a streamed layer (`mfu`), PCIe links 80% of
 # their x16 rate. Host RAM and host-optimizer bandwidth are assumptions (marked).
 # Between devices of a host: NVLink where the part has it (900 GB/s total on
-# H100/H200 SXM, 450 GB/s each way), else the PCIe link; between hosts, for every
-# profile, an assumed 400 Gb/s InfiniBand NDR adapter per device at 80%.
+# H100/H200 SXM, 450 GB/s each way; on TPUs the inter-chip interconnect, ICI; on the
+# MI300X Infinity Fabric), else the PCIe link; between hosts, an assumed 400 Gb/s
+# InfiniBand NDR adapter per device at 80%, unless a published figure is given.
+# The engine's fused attention kernel is cuDNN's (`models.layers.attention_kernel`):
+# on TPUs and AMD GPUs (`cudnn=False`) the planner counts the blockwise kernel's
+# scratch instead (and, as on the CPU backend, pooled buffers for recompute "dots"
+# and "none", a little more than an accelerator's allocator holds).
 PROFILES: dict[str, Hardware] = {
     # NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense (1,979 with sparsity), 141 GB
     # HBM3e; PCIe Gen5 x16 64 GB/s per direction. Host: the paper's 1.5 TB server;
@@ -111,6 +118,29 @@ PROFILES: dict[str, Hardware] = {
     # 48 GB; PCIe Gen4 x16.
     "rtx_a6000": _published("RTX A6000", 154.8e12, 0.8 * 32 * GB, 48 * GB, 256 * GB,
                             60 * GB, "NVIDIA RTX A6000 datasheet; host assumed"),
+    # Google Cloud TPU v5p docs: 459 TFLOPS BF16 per chip, 95 GB HBM2e; a 4-chip VM
+    # (ct5p-hightpu-4t) has 448 GB RAM and 208 vCPUs; ICI 1,200 GB/s per chip both
+    # ways (600 GB/s each way); data center network 50 Gb/s per chip. The host link
+    # is not published: PCIe Gen4 x16 assumed; optimizer bandwidth assumed 150 GB/s.
+    "tpu_v5p": _published("TPU v5p + 448 GB VM", 459e12, 0.8 * 32 * GB, 95 * GB, 448 * GB,
+                          150 * GB, "Google Cloud TPU v5p docs; host link and optimizer "
+                          "assumed", interconnect=600 * GB, network=0.8 * 50 / 8 * GB,
+                          cudnn=False),
+    # Google Cloud TPU v6e (Trillium) docs: 918 TFLOPS BF16 per chip, 32 GB HBM; each
+    # chip on a PCIe Gen5 link (its width not stated: x16 assumed); 1,536 GiB DRAM per
+    # 8-chip host; ICI 800 GB/s per chip both ways (400 GB/s each way). Optimizer
+    # bandwidth assumed 200 GB/s; between hosts, the assumed default.
+    "tpu_v6e": _published("TPU v6e (Trillium) + 1,536 GiB host", 918e12, 0.8 * 64 * GB,
+                          32 * GB, 1536 * 2**30, 200 * GB, "Google Cloud TPU v6e docs; "
+                          "link width, optimizer and network assumed", interconnect=400 * GB,
+                          cudnn=False),
+    # AMD Instinct MI300X datasheet: 1,307.4 TFLOPS BF16 dense (2,614.9 with
+    # sparsity), 192 GB HBM3; PCIe Gen5 x16; 7 Infinity Fabric links, 896 GB/s in all
+    # (448 GB/s each way). Host: 1.5 TB assumed (as for h200; MLPerf's 8 x MI300X
+    # servers list 1.5 TiB); optimizer bandwidth assumed 200 GB/s.
+    "mi300x": _published("MI300X + 1.5 TB host", 1307.4e12, 0.8 * 64 * GB, 192 * GB,
+                         1500 * GB, 200 * GB, "AMD Instinct MI300X datasheet; PCIe Gen5 "
+                         "x16; host assumed", interconnect=448 * GB, cudnn=False),
 }
 
 
