@@ -54,6 +54,9 @@ class ResidentTrainer:
     self._step_count = 0
     self._jit_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
     self._jit_grad = jax.jit(jax.value_and_grad(self._loss))
+    self._jit_eval = jax.jit(lambda params, frozen, batch: model_loss(
+        self.cfg, self._whole(params, frozen), batch, self.compute_dtype, self._chunk,
+        aux=False))
 
   def _whole(self, params, frozen):
     return params if self._mask is None else trainable_lib.merge(params, frozen, self._mask)
@@ -105,6 +108,20 @@ class ResidentTrainer:
     self._step_count += 1
     out["tokens"] = float(batch["loss_mask"].sum())
     return out
+
+  def evaluate(self, batch: dict[str, Any]) -> dict[str, float]:
+    """The loss at the current parameters, forward only; nothing changes.
+
+    Args:
+      batch: the batch, in the format of `check_batch` (no LoRA dropout).
+
+    Returns:
+      {"loss": the mean loss over the masked tokens, without an MoE model's
+      load-balancing loss; "tokens": their count}.
+    """
+    batch = check_batch(self.cfg, batch)
+    loss = self._jit_eval(self._params, self._frozen, batch)
+    return {"loss": float(loss), "tokens": float(batch["loss_mask"].sum())}
 
   def loss_and_grads(self, batch: dict[str, Any], key: jax.Array | None = None):
     """(loss, gradient tree as numpy) at the current parameters; no update.

@@ -70,7 +70,10 @@ def test_fused_adamw_is_optax_adamw_bit_for_bit_in_any_split():
     for g in grads:
       for u, spec in enumerate(specs):
         flat = jnp.asarray(_flat(spec, g[u]))
-        store.put(u, updater.update(spec, store.take(u), flat, None))
+        updated = updater.update(spec, store.take(u), flat, None)
+        store.put(u, updated.state)
+        # The gradient's sum of squares, read in the update's own pass.
+        np.testing.assert_allclose(updated.sumsq, np.sum(np.square(flat)), rtol=1e-6)
     for u in range(3):
       np.testing.assert_array_equal(store.master(u), want[u])
     updater.close()
@@ -83,7 +86,7 @@ def test_optax_units_runs_an_element_wise_transform_on_each_unit_tree():
   grads = [_values(20 + k) for k in range(3)]
   for g in grads:
     for u, spec in enumerate(specs):
-      store.put(u, updater.update(spec, store.take(u), jnp.asarray(_flat(spec, g[u])), None))
+      store.put(u, updater.update(spec, store.take(u), jnp.asarray(_flat(spec, g[u])), None).state)
   for u, tree in enumerate(_unit_trees(store, specs)):
     want = _reference(tx, 3, [g[u] for g in grads], _values(0)[u])
     for a, b in zip(jax.tree.leaves(tree), jax.tree.leaves(want)):
@@ -102,7 +105,11 @@ def test_global_norm_clip_equals_the_optax_chain_over_the_whole_tree(inner):
   for g in grads:
     for u, spec in enumerate(specs):
       store.accumulate(u, jnp.asarray(_flat(spec, g[u])))
-    updater.sweep(store, [store.take_gradient(u) for u in range(3)], lambda u: None)
+    sums = {}
+    updater.sweep(store, [store.take_gradient(u) for u in range(3)],
+                  lambda u, ss: sums.update({u: ss}))
+    # Each unit's sum of squares is of its gradient before the clip.
+    np.testing.assert_allclose(np.sqrt(sum(sums.values())), optax.global_norm(g), rtol=1e-6)
   want = _reference(optax.chain(optax.clip_by_global_norm(0.5), tx_inner), 2, grads,
                     _values(0))
   for a, b in zip(jax.tree.leaves(_unit_trees(store, specs)), jax.tree.leaves(want)):
@@ -123,8 +130,11 @@ def test_whole_tree_runs_a_transform_that_mixes_units_on_the_whole_tree():
     for u, spec in enumerate(specs):
       store.accumulate(u, jnp.asarray(_flat(spec, g[u])))
     done = []
-    updater.sweep(store, [store.take_gradient(u) for u in range(3)], done.append)
-    assert done == [0, 1, 2]
+    updater.sweep(store, [store.take_gradient(u) for u in range(3)],
+                  lambda u, ss: done.append((u, float(ss))))
+    assert [u for u, _ in done] == [0, 1, 2]
+    np.testing.assert_allclose(np.sqrt(sum(ss for _, ss in done)), optax.global_norm(g),
+                               rtol=1e-6)
   want = _reference(tx, 3, grads, _values(0))
   for a, b in zip(jax.tree.leaves(_unit_trees(store, specs)), jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
@@ -158,7 +168,7 @@ def test_frozen_elements_have_no_master_state_or_gradient_and_round_trip():
   assert layout["master"] == ((2,), "float32") and layout["frozen"] == ((39,), "float32")
   before = [store.master(u) for u in range(3)]
   g = jnp.ones(2)
-  store.put(1, opt.updater.update(store.trained[1], store.take(1), g, None))
+  store.put(1, opt.updater.update(store.trained[1], store.take(1), g, None).state)
   after = store.master(1)
   np.testing.assert_array_equal(after[2:], before[1][2:])  # the frozen part: untouched
   assert not np.array_equal(after[:2], before[1][:2])

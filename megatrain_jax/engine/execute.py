@@ -231,6 +231,15 @@ class Executor:
     self.guard.loss_parts.append(mb.loss)  # before any gradient: updates wait for it
     self.sums.append(mb.loss)
 
+  def _HeadLoss(self, op: ops.HeadLoss) -> None:
+    mb = self.micro
+    mb.router = []  # an evaluation's loss is the model's alone
+    loss_sum = self.tpl.head_loss(self._param(op.head), self._param(0) if op.tied else None,
+                                  mb.x, mb.batch["labels"], mb.batch["loss_mask"])
+    mb.x = mb.token = loss_sum
+    self._apply(op)
+    self.sums.append(loss_sum)
+
   def _SendGradient(self, op: ops.SendGradient) -> None:
     g, finite = self.micro.grads.pop(op.unit)
     self.rt.pipeline.send(("grad", op.m, op.unit), op.unit, g, finite,

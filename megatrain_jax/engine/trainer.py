@@ -8,6 +8,7 @@ finalizer if the trainer is dropped without `close()`).
 
 from __future__ import annotations
 
+import functools
 import time
 import weakref
 from typing import Any, Callable, Iterable
@@ -23,7 +24,8 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.health import Health
 from megatrain_jax.engine.runtime import shutdown_quietly
 from megatrain_jax.engine.execute import Executor, OpHook, Outcome
-from megatrain_jax.engine.host.state import Snapshot
+from megatrain_jax.engine.host.gradients import LateNorm
+from megatrain_jax.engine.trainer_state import TrainerState
 from megatrain_jax.models import llama, lora
 from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.config import LlamaConfig
@@ -31,7 +33,7 @@ from megatrain_jax.models.config import LlamaConfig
 GradHook = Callable[[int, jax.Array], jax.Array]
 
 
-class StreamingTrainer:
+class StreamingTrainer(TrainerState):
   """Trains a Llama-family model whose parameters and optimizer state live on the host.
 
   Build it from an NNX model, or unit by unit on the host (`from_config`, or
@@ -121,6 +123,7 @@ class StreamingTrainer:
     self._health = Health(self._rt, self.schedule.unit_name)
     self._steps = 0
     self._next_started: memory.StepPlan | None = None  # the plan fetched ahead for
+    self._norm: LateNorm | None = None  # the last step's gradient norm
 
   def step(self, batch: dict[str, Any], key: jax.Array | None = None) -> dict[str, Any]:
     """One optimizer step.
@@ -135,8 +138,11 @@ class StreamingTrainer:
         its masks from `fold_in(key, r)`, as in `ResidentTrainer`.
 
     Returns:
-      {"loss", "tokens", "step_time_s"}, and "skipped": True for a non-finite step
-      skipped under `nonfinite="skip"`.
+      {"loss", "tokens", "step_time_s", "grad_norm"}, and "skipped": True for a
+      non-finite step skipped under `nonfinite="skip"` (its grad_norm NaN).
+      "grad_norm" is the global norm of the gradient, before any clip, summed from
+      each unit's as its update applies it: a `LateNorm`, whose `float()` waits for
+      the step's last updates.
 
     Raises:
       FloatingPointError: a NaN or infinite loss or gradient (`nonfinite="raise"`),
@@ -158,7 +164,11 @@ class StreamingTrainer:
     t_end = time.perf_counter()
     self._steps += 1
     rt.end_step(guard.step, before, run.input_bytes, t0, run.t_sweep, t_end)
-    out = {"loss": run.loss, "tokens": total, "step_time_s": t_end - t0}
+    if self._norm is not None:  # its updates are done: this step's forward used them
+      float(self._norm)
+    self._norm = LateNorm(functools.partial(_grad_norm, rt, guard.step))
+    out = {"loss": run.loss, "tokens": total, "step_time_s": t_end - t0,
+           "grad_norm": self._norm}
     if run.bad is not None:
       rt.pipeline.drop_gradients()
       err = self._health.bad_step(run.bad, guard, skip=self.config.nonfinite == "skip")
@@ -168,9 +178,40 @@ class StreamingTrainer:
           rt.clock.reset(self._steps)  # the refused units are not as of this step
           self._cancel_prefetch()
         raise err
-      out["skipped"] = True
+      out["skipped"], out["grad_norm"] = True, float("nan")
     self._health.late = guard
     return out
+
+  def evaluate(self, batch: dict[str, Any]) -> dict[str, float]:
+    """The loss at the current parameters from a forward-only streamed pass: no
+    gradient, no update, nothing of the state changes (`ResidentTrainer.evaluate`).
+
+    Args:
+      batch: as `step` (an evaluation applies no LoRA dropout).
+
+    Returns:
+      {"loss": the mean loss over the batch's masked tokens, without an MoE
+      model's load-balancing loss; "tokens": their count}.
+
+    Raises:
+      ValueError: a bad batch, or one over the device budget.
+      RuntimeError: the trainer is invalid or closed.
+    """
+    self._health.check_usable()
+    batch, total, plan = preflight.check_step(
+        self.cfg, self.config, batch, self._rt.transport.global_sum,
+        deferred=self._rt.defer, trains=self._rt.trains)
+    self._cancel_prefetch()  # fetched ahead for the next step, in a step's order
+    guard = nonfinite.StepGuard(step=self._steps + 1)
+    try:
+      self._rt.pipeline.check()
+      self._health.check_late()
+      run = self._executor.run(plan, plan.eval_program(), batch, total, guard)
+      self._rt.count_fetches(guard.step, run.input_bytes)
+    except BaseException as e:
+      self._health.fail(e)
+      raise
+    return {"loss": run.loss, "tokens": total}
 
   def _prepare(self, batch, key=None):
     self._health.check_usable()
@@ -262,82 +303,6 @@ class StreamingTrainer:
   transport = property(lambda self: self._rt.transport, doc="How this trainer moves bytes.")
   runtime = property(lambda self: self._rt, doc="The `Runtime`: the parts its threads "
                      "share (the ledger, the update clock, the prefetcher).")
-  frozen_checksums = property(lambda self: self._rt.frozen_checksums(), doc="Part name -> "
-                              "a CRC-32 of its frozen values (`trainable=`; they never change).")
-
-  def _settled(self) -> None:
-    """Valid, with the last step's updates done (nothing to wait for once closed)."""
-    if self._health.error is not None or not self._health.closed:
-      self.wait()
-
-  def params(self) -> dict[str, Any]:
-    """The fp32 master parameters, once the last updates are done.
-
-    Returns:
-      A tree of numpy arrays, the model's layout.
-    """
-    return llama.assemble_units([self.unit_params(u) for u in range(self.schedule.n_units)])
-
-  def unit_params(self, u: int) -> dict[str, Any]:
-    """One unit's fp32 master parameters, once the last updates are done.
-
-    Args:
-      u: the unit (0 embed, 1..L the blocks, L + 1 head).
-
-    Returns:
-      A tree of numpy arrays (a copy).
-    """
-    self._settled()
-    store = self._rt.host_opt.store
-    return store.specs[u].unflatten(store.master(u))
-
-  def state_layout(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
-    """What `snapshot` holds.
-
-    Returns:
-      For each part, the (shape, dtype) of its arrays.
-    """
-    self._settled()
-    return self._rt.state_layout()
-
-  def snapshot(self, max_copies: int = 1) -> Snapshot:
-    """The host state at this step boundary, for a writer to read part by part while
-    training goes on (see `engine/host/state.py`).
-
-    Args:
-      max_copies: parts an update copies ahead of the writer before it waits for it.
-
-    Returns:
-      The `Snapshot` (parts in the order the next updates change them), which the
-      writer closes.
-    """
-    self._settled()
-    return self._rt.snapshot(max_copies)
-
-  def restore(self, read: Callable[[str], dict[str, Any]], step_count: int) -> None:
-    """Loads every part of `state_layout()`, one unit at a time.
-
-    A trainer invalid after a failure is revived once every part is loaded; if `read`
-    fails partway the trainer is invalid. Parts without "frozen" keep their own.
-
-    Args:
-      read: part name -> its arrays (the caller checked the layout).
-      step_count: the step the state is at.
-
-    Raises:
-      RuntimeError: the trainer is closed.
-    """
-    health = self._health
-    if health.closed:
-      raise RuntimeError("This StreamingTrainer is closed; build a new one to restore into.")
-    revive = health.error is not None
-    if not revive:
-      self.wait()
-      self._cancel_prefetch()
-    health.restore(lambda: self._rt.load_state(read, int(step_count)), int(step_count),
-                   revive)
-    self._steps, self._next_started = int(step_count), None
-
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times.
 
@@ -348,3 +313,11 @@ class StreamingTrainer:
     layer_bytes = max(sizes.unit_param_bytes(self.cfg, self.config)[1:-1], default=0)
     return {"steps": self._steps, "skipped_steps": self._health.skipped,
             **self.templates.stats(rt["device_peak_bytes"]), **rt, "layer_bytes": layer_bytes}
+
+
+def _grad_norm(rt, step: int) -> float:
+  """A step's gradient norm, once its every update is done (a runtime, not the
+  trainer, so that a norm kept by the caller keeps no trainer alive)."""
+  for u in range(rt.schedule.n_units):
+    rt.await_update(u, step + 1)
+  return rt.pipeline.grad_norm(step)

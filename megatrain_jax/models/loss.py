@@ -99,7 +99,8 @@ def head_loss_sum(cfg: LlamaConfig, head_p, embed_p, x_BxTxD, labels_BxT,
 
 
 def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
-               chunk_tokens: int | None = None, remat: bool = False, dropout_keys=None):
+               chunk_tokens: int | None = None, remat: bool = False, dropout_keys=None,
+               aux: bool = True):
   """Mean masked CE of the whole model on a batch (the resident path).
 
   Args:
@@ -111,10 +112,11 @@ def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
     chunk_tokens: tokens per loss chunk; None uses `default_chunk_tokens`.
     remat: whether to recompute each block in the backward (`jax.checkpoint`).
     dropout_keys: LoRA dropout's per-sequence keys (`lora.sequence_keys`), or None.
+    aux: add the MoE layers' load-balancing loss (an evaluation leaves it out).
 
   Returns:
-    sum(mask * ce) / max(sum(mask), 1), plus `router_aux_loss_coef` times the
-    load-balancing loss of the MoE layers (`models.moe.aux_loss`).
+    sum(mask * ce) / max(sum(mask), 1), plus (with `aux`) `router_aux_loss_coef`
+    times the load-balancing loss of the MoE layers (`models.moe.aux_loss`).
   """
   pos, seg = batch.get("positions"), batch.get("segment_ids")
   block = lambda p, x, keys, window: llama.block_apply_stats(cfg, p, x, pos, window, seg, keys)
@@ -129,7 +131,7 @@ def model_loss(cfg: LlamaConfig, params, batch, compute_dtype=jnp.float32,
   total = head_loss_sum(cfg, params["head"], params["embed"], x, batch["labels"],
                         batch["loss_mask"], chunk_tokens)
   loss = total / jnp.maximum(jnp.sum(batch["loss_mask"]), 1.0)
-  if stats and cfg.router_aux_loss_coef:
+  if aux and stats and cfg.router_aux_loss_coef:
     rows = len(stats) * batch["input_ids"].size
     loss = loss + cfg.router_aux_loss_coef * moe.aux_loss(cfg, moe.total_stats(stats), rows)
   return loss

@@ -36,16 +36,16 @@ def all_finite(x: jax.Array) -> jax.Array:
   return jnp.all(jnp.isfinite(x))
 
 
-def _largest(values) -> int | None:
-  """The largest of byte counts, leaving out the unknown ones (None if none is known)."""
-  return max((v for v in values if v is not None), default=None)
+# The largest of byte counts, leaving out the unknown ones (None if none is known).
+_largest = lambda values: max((v for v in values if v is not None), default=None)
 
 
 class Templates:
   """The jitted templates of one model: embed, block and head, forward and backward.
 
   Attributes (each a jitted function; flat arguments are compute-dtype units):
-    embed_fwd(flat_e, ids) -> x
+    embed_fwd(flat_e, ids) -> x; head_loss(flat_h, flat_e | None, x, labels, mask)
+      -> loss_sum: forward only.
     block_fwd(flat_b, x, layer) -> (x, stats): `layer` picks the layer's structure
       (a method over one jitted function per structure); `stats` is an MoE layer's
       `moe.RouterStats`, None for a dense one.
@@ -61,7 +61,7 @@ class Templates:
       into (`pool.BufferPool`).
     head(flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x, g_h, g_e,
       finite): final norm, LM head and chunked cross-entropy, value and gradient;
-      the vjp is seeded with `scale` (1 / the batch's mask sum); g_e is the tied
+      the vjp is seeded with `scale` (1 / the batch's mask sum); g_e: the tied
       embedding's gradient from the head (None when untied).
     tail(flat_b, flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x,
       g_h, g_e, finite_h, g_flat, finite): the last layer and the head in one vjp
@@ -84,9 +84,7 @@ class Templates:
       loss_chunk_tokens: tokens per chunk of logits (None: the loss's default).
       recompute: what a layer's backward recomputes (`EngineConfig.recompute`).
     """
-    self._counts: dict[str, int] = {}
-    self._scratch: dict[tuple, dict[str, int]] = {}
-    self._kept_shapes: dict[tuple, tuple] = {}
+    self._counts, self._scratch, self._kept_shapes = {}, {}, {}  # by name, shape, key
     self._last_shape: tuple | None = None  # (x's shape, dtype, packed) of the last block
     self._specs = (embed, head)
     self.cfg = cfg
@@ -168,6 +166,8 @@ class Templates:
     self._block_bwd_kept = jax.jit(self._counted("block_bwd_kept", block_bwd_kept),
                                    static_argnums=(8, 9))
     self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
+    self.head_loss = jax.jit(self._counted("head_loss", lambda fh, fe, *xs: loss(
+        head.unflatten(fh), None if fe is None else embed.unflatten(fe), *xs)))
     self._tail = jax.jit(self._counted("tail_fwd_bwd", tail), static_argnums=(10, 11))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
 
@@ -214,20 +214,23 @@ class Templates:
     return self._block_fwd_keep(flat, x, positions, segment_ids,
                                 layer_keys(dropout_keys, layer), reuse, *self._kinds[layer])
 
-  def kept_shapes(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
-                  segment_ids=None, dropout_keys=None) -> tuple[jax.ShapeDtypeStruct, ...]:
+  def kept_shapes(self, flat: jax.Array, x: jax.Array, layer: int, **extra
+                  ) -> tuple[jax.ShapeDtypeStruct, ...]:
     """The shapes `block_fwd_keep` gives back for these arguments: its output's,
     then each kept residual's (no computation; cached per layer structure and shape).
 
     Args:
-      flat, x, layer, positions, segment_ids, dropout_keys: as `block_fwd_keep`.
+      flat: as `block_fwd_keep`.
+      x: as `block_fwd_keep`.
+      layer: as `block_fwd_keep`.
+      **extra: positions, segment_ids and dropout_keys, as `block_fwd_keep`.
 
     Returns:
       The shapes and dtypes, in the order `reuse` takes them.
     """
     S = lambda a: None if a is None else jax.ShapeDtypeStruct(a.shape, a.dtype)
-    key = (self._kinds[layer], S(flat), S(x), S(positions), S(segment_ids),
-           S(dropout_keys))  # folded with the layer, the same shape
+    key = (self._kinds[layer], S(flat), S(x), *(S(extra.get(k)) for k in (
+        "positions", "segment_ids", "dropout_keys")))  # folded with the layer: one shape
     if key not in self._kept_shapes:
       spec, window = self._kinds[layer]
       lay = residuals.layout(self.cfg, spec, window, self.recompute, *key[1:])

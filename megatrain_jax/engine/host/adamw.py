@@ -64,10 +64,11 @@ def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
     max_norm: the clip of clipped mode (None: no clip).
 
   Returns:
-    `update(part, state, grad, acc, norm) -> (part, state)`: `part` and `state`
-    (optax.adamw's state for `part`) are elements [lo, lo + part.size) of a unit
-    whose whole gradient is `grad` (plus the accumulated `acc`, when not None;
-    clipped by the global `norm`, when not None).
+    `update(part, state, grad, acc, norm) -> (part, state, sumsq)`: `part` and
+    `state` (optax.adamw's state for `part`) are elements [lo, lo + part.size) of a
+    unit whose whole gradient is `grad` (plus the accumulated `acc`, when not None;
+    clipped by the global `norm`, when not None); `sumsq` is the sum of squares of
+    the part's gradient before the clip (read in the same pass).
   """
 
   def update(part, state, grad, acc, norm):
@@ -76,10 +77,11 @@ def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
     at = lambda x, o, n: jax.lax.dynamic_slice(x, (o,), (n,))
 
     def step(o, n, pmv):
-      p, mu, nu = pmv
+      p, mu, nu, ss = pmv
       g = at(grad, lo + o, n).astype(jnp.float32)
       if acc is not None:
         g = at(acc, lo + o, n) + g
+      ss = ss + jnp.sum(jnp.square(g))
       if norm is not None:
         g = clip_with_norm(g, norm, max_norm)
       m, v = adamw_moments(h, g, at(mu, o, n), at(nu, o, n))
@@ -88,16 +90,16 @@ def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
       # The new moments are read back from their buffers: p's update then depends
       # on the written buffers alone, so XLA updates all three in place.
       new = adamw_params(h, at(p, o, n), at(mu, o, n), at(nu, o, n), s, in_loop=True)
-      return jax.lax.dynamic_update_slice(p, new, (o,)), mu, nu
+      return jax.lax.dynamic_update_slice(p, new, (o,)), mu, nu, ss
 
     size = part.shape[0]
     full = size // chunk
-    pmv = (part, adam.mu, adam.nu)
+    pmv = (part, adam.mu, adam.nu, jnp.zeros((), jnp.float32))
     if full:
       pmv = jax.lax.fori_loop(0, full, lambda i, c: step(i * chunk, chunk, c), pmv)
     if size % chunk:
       pmv = step(full * chunk, size % chunk, pmv)
-    part, mu, nu = pmv
-    return part, (adam._replace(count=s.count, mu=mu, nu=nu), decay, lr_state)
+    part, mu, nu, ss = pmv
+    return part, (adam._replace(count=s.count, mu=mu, nu=nu), decay, lr_state), ss
 
   return update

@@ -13,6 +13,7 @@ caller's next wait on it raises that exception. Only callers time out.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from typing import Callable, NamedTuple, Sequence
@@ -156,6 +157,35 @@ class UpdateClock:
         self._cond.wait(left)
 
 
+class LateNorm:
+  """A step's global gradient norm, known once the step's last update is done.
+
+  `float(x)` (or formatting it) waits for those updates and sums each unit's sum of
+  squares, read by the update as it applied the gradient; the value is then kept.
+  """
+
+  def __init__(self, resolve: Callable[[], float]):
+    """A norm that `resolve()` waits for and computes, once.
+
+    Args:
+      resolve: waits for the step's updates and returns the norm.
+    """
+    self._resolve, self._value = resolve, None
+    self._lock = threading.Lock()
+
+  def __float__(self) -> float:
+    with self._lock:
+      if self._value is None:
+        self._value, self._resolve = float(self._resolve()), None
+      return self._value
+
+  def __format__(self, spec: str) -> str:
+    return format(float(self), spec)
+
+  def __repr__(self) -> str:
+    return repr(float(self))
+
+
 class GradientPipeline:
   """The gradient and optimizer threads, and what they do with each job."""
 
@@ -181,6 +211,7 @@ class GradientPipeline:
     self.transport, self.ledger = transport, ledger
     self.defer, self.timeout_s, self.grad_hook = defer, timeout_s, grad_hook
     self._finite_flags: list[list[jax.Array]] = [[] for _ in host_opt.store.specs]
+    self._sumsq: dict[int, dict[int, jax.Array]] = {}  # step -> unit -> its gradient's
     self.d2h_bytes = 0
     self.d2h_s = 0.0
     self.opt_s = 0.0
@@ -225,6 +256,22 @@ class GradientPipeline:
       step: the step being updated.
     """
     self.optimizer.submit(UpdateAllJob(step), self.timeout_s)
+
+  def grad_norm(self, step: int) -> float:
+    """A step's global gradient norm (before any clip), once its updates are done;
+    forgets the sums of that step and the steps before.
+
+    Args:
+      step: the step, whose every update the caller has awaited.
+
+    Returns:
+      The square root of the sum of every updated unit's sum of squares.
+    """
+    with self._changed:
+      sums = self._sumsq.pop(step, {})
+      for old in [s for s in self._sumsq if s < step]:
+        del self._sumsq[old]
+    return math.sqrt(sum(float(x) for x in sums.values()))
 
   def check(self) -> None:
     """Raises what stopped either thread."""
@@ -314,6 +361,7 @@ class GradientPipeline:
         return
       new = self.host_opt.update_unit(u, job.grad, stream=self.store.keep_copy)
       guard.updated.append(u)
+      self._record(guard.step, u)
       # Done before the unit's next fetch is allowed (it reads the result).
       jax.block_until_ready(new if new is not None else self.host_opt.store.parts[u])
       self.store.updated(u, new)
@@ -323,6 +371,7 @@ class GradientPipeline:
 
   def _update_all(self, step: int) -> None:
     def done(u, new):
+      self._record(step, u)
       self.store.updated(u, new)
       self.clock.mark([u], step)
 
@@ -331,3 +380,10 @@ class GradientPipeline:
     finally:
       self.clock.mark(range(len(self.host_opt.store.specs)), step)
 
+
+  def _record(self, step: int, u: int) -> None:
+    """Keeps the sum of squares of the gradient the update of `u` just applied."""
+    sumsq = self.host_opt.sumsq.pop(u, None)
+    if sumsq is not None:
+      with self._changed:
+        self._sumsq.setdefault(step, {})[u] = sumsq

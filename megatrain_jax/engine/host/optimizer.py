@@ -32,6 +32,8 @@ class HostOptimizer:
   Attributes:
     store: where each unit's state lives.
     updater: how it changes.
+    sumsq: unit -> the sum of squares of the gradient its last update applied
+      (before any clip; a host fp32 scalar), written by the updating thread.
   """
 
   def __init__(self, store: StateStore, updater: UnitUpdater, compute_dtype,
@@ -48,6 +50,7 @@ class HostOptimizer:
     self.store, self.updater = store, updater
     self.compute_dtype, self.stream_sharding = compute_dtype, stream_sharding
     self._casts: dict[Any, Callable] = {}
+    self.sumsq: dict[int, jax.Array] = {}
 
   @classmethod
   def of_buffers(cls, optimizer: optax.GradientTransformation, masters: Sequence[Any],
@@ -103,7 +106,8 @@ class HostOptimizer:
       raise ValueError(f"The gradient of unit {u} has shape {tuple(grad.shape)}; its "
                        f"trained parameters have ({spec.size},).")
     acc = self.store.take_gradient(u)
-    self.store.put(u, self.updater.update(spec, self.store.take(u), grad, acc))
+    st, self.sumsq[u] = self.updater.update(spec, self.store.take(u), grad, acc)
+    self.store.put(u, st)
     return self.stream_copy(u) if stream else None
 
   def update_all(self, stream: bool = True,
@@ -125,8 +129,12 @@ class HostOptimizer:
     if missing:
       raise RuntimeError(f"No gradient accumulated for units {missing}.")
     done = on_unit or (lambda u, new: None)
-    self.updater.sweep(store, grads,
-                       lambda u: done(u, self.stream_copy(u) if stream else None))
+
+    def updated(u, sumsq):
+      if sumsq is not None:
+        self.sumsq[u] = sumsq
+      done(u, self.stream_copy(u) if stream else None)
+    self.updater.sweep(store, grads, updated)
 
   def stream_copy(self, u: int) -> jax.Array:
     """The compute-dtype flat copy of a unit (its master cast, its frozen elements).

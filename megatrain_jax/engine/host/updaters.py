@@ -16,7 +16,9 @@ the arithmetic, as jitted host calls with the old buffers donated.
   WholeTree      anything else: one update over the whole tree after the sweep.
 
 Which one a transform gets is `probe.resolve_mode`'s answer; `deferred` says whether
-its updates wait for the whole sweep.
+its updates wait for the whole sweep. Every update also gives the sum of squares of
+the gradient it applied (before any clip), read in the same pass: the step's global
+gradient norm is summed from them.
 """
 
 from __future__ import annotations
@@ -44,6 +46,18 @@ class UnitState(NamedTuple):
   """
   master: tuple[jax.Array, ...]
   opt: tuple[Any, ...]
+
+
+class Updated(NamedTuple):
+  """What a unit's update gives.
+
+  Attributes:
+    state: the unit's new state.
+    sumsq: the sum of squares of the gradient it applied, before any clip (a host
+      fp32 scalar).
+  """
+  state: UnitState
+  sumsq: jax.Array
 
 
 class _Jits:
@@ -107,7 +121,7 @@ class UnitUpdater(abc.ABC):
 
   @abc.abstractmethod
   def update(self, spec: FlatSpec, st: UnitState, grad: jax.Array, acc: jax.Array | None,
-             norm: jax.Array | None = None) -> UnitState:
+             norm: jax.Array | None = None) -> Updated:
     """A unit's next state (the buffers of `st` are donated).
 
     Args:
@@ -118,7 +132,7 @@ class UnitUpdater(abc.ABC):
       norm: the global gradient norm to clip by, or None.
 
     Returns:
-      The new state.
+      The new state and the gradient's sum of squares.
     """
 
   def init_shared(self, specs: Sequence[FlatSpec], masters: Sequence[jax.Array]) -> Any:
@@ -135,21 +149,24 @@ class UnitUpdater(abc.ABC):
     return None
 
   def sweep(self, store, grads: list[jax.Array | None],
-            on_unit: Callable[[int], None]) -> None:
+            on_unit: Callable[[int, jax.Array | None], None]) -> None:
     """Every unit's update after the sweep, from its accumulated gradient.
 
     Args:
       store: the `StateStore` (each unit taken and put back).
       grads: each unit's accumulated fp32 gradient (None: it does not train).
-      on_unit: `on_unit(u)` as each unit is done.
+      on_unit: `on_unit(u, sumsq)` as each unit is done (sumsq: its gradient's sum
+        of squares, None when it does not train).
     """
     self._each(store, grads, on_unit, None)
 
   def _each(self, store, grads, on_unit, norm) -> None:
     for u, g in enumerate(grads):
+      sumsq = None
       if g is not None:
-        store.put(u, self.update(store.trained[u], store.take(u), g, None, norm))
-      on_unit(u)
+        st, sumsq = self.update(store.trained[u], store.take(u), g, None, norm)
+        store.put(u, st)
+      on_unit(u, sumsq)
 
   def close(self) -> None:
     """Stops any thread of its own (a later update starts it again)."""
@@ -222,7 +239,8 @@ class FusedAdamW(UnitUpdater):
       if self._pool is None:
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "megatrain-adamw")
       results = list(self._pool.map(run, range(len(fns))))
-    return UnitState(tuple(p for p, _ in results), tuple(s for _, s in results))
+    return Updated(UnitState(tuple(r[0] for r in results), tuple(r[1] for r in results)),
+                   sum(r[2] for r in results))
 
   def close(self):
     if self._pool is not None:
@@ -257,15 +275,16 @@ class OptaxUnits(UnitUpdater):
       g = grad.astype(jnp.float32)
       if acc is not None:
         g = acc + g
+      sumsq = jnp.sum(jnp.square(g))
       if norm is not None:
         g = clip_with_norm(g, norm, max_norm)
       p = spec.unflatten(master)
       upd, state = opt.update(spec.unflatten(g), state, p)
-      return spec.flatten(optax.apply_updates(p, upd)), state
+      return spec.flatten(optax.apply_updates(p, upd)), state, sumsq
 
     fn = self.jit(("update", spec, acc is None, norm is None), step, donate_argnums=(0, 1))
-    master, state = fn(st.master[0], st.opt[0], grad, acc, norm)
-    return UnitState((master,), (state,))
+    master, state, sumsq = fn(st.master[0], st.opt[0], grad, acc, norm)
+    return Updated(UnitState((master,), (state,)), sumsq)
 
 
 class GlobalNormClip(UnitUpdater):
@@ -309,8 +328,7 @@ class GlobalNormClip(UnitUpdater):
     return self.inner.update(spec, st, grad, acc, norm)
 
   def sweep(self, store, grads, on_unit):
-    sumsq = [self.jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(g)
-             for g in grads if g is not None]
+    sumsq = [_sumsq(self.jit, g) for g in grads if g is not None]
     norm = self.jit("norm", lambda s: jnp.sqrt(sum(s)))(sumsq)
     self._each(store, grads, on_unit, norm)
 
@@ -364,6 +382,11 @@ class WholeTree(UnitUpdater):
     masters, shared = fn([st.master[0] for st in states], store.take_shared(),
                          [zeros(s) if g is None else g for s, g in zip(specs, grads)])
     store.put_shared(shared)
-    for u, m in enumerate(masters):
+    for u, (m, g) in enumerate(zip(masters, grads)):
       store.put(u, UnitState((m,), ()))
-      on_unit(u)
+      on_unit(u, None if g is None else _sumsq(self.jit, g))
+
+
+def _sumsq(jit: _Jits, g: jax.Array) -> jax.Array:
+  """A gradient's sum of squares, as one jitted host call."""
+  return jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(g)

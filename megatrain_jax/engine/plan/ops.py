@@ -124,6 +124,17 @@ class Head(Op):
 
 
 @dataclasses.dataclass(frozen=True)
+class HeadLoss(Op):
+  """Final norm, LM head and loss, the value only (an evaluation): the running
+  activation goes."""
+  head: int
+  tied: bool = False
+
+  def effects(self, b):
+    return ((("act", self.m, "x"), None),)
+
+
+@dataclasses.dataclass(frozen=True)
 class SendGradient(Op):
   """Hand a unit's gradient to the link (it leaves as the queue allows)."""
   unit: int
@@ -215,4 +226,5 @@ class Drain(Op):
 
 
 # Operations that run a template (one jitted call each), for the planner.
-TEMPLATE_CALLS = (EmbedForward, BlockForward, Head, Recompute, BlockBackward, EmbedBackward)
+TEMPLATE_CALLS = (EmbedForward, BlockForward, Head, HeadLoss, Recompute, BlockBackward,
+                  EmbedBackward)

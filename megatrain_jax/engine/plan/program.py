@@ -21,7 +21,7 @@ import dataclasses
 
 from megatrain_jax.engine.plan.ops import (
     TEMPLATE_CALLS, BlockBackward, BlockForward, Checkpoint, Drain, DropCheckpoint,
-    EmbedBackward, EmbedForward, Flush, Head, JobDone, Op, Recompute, Release, Reload,
+    EmbedBackward, EmbedForward, Flush, Head, HeadLoss, JobDone, Op, Recompute, Release, Reload,
     Restore, SendGradient, Settle, StartFetches, Take, UseResident)
 from megatrain_jax.engine.plan.schedule import Schedule
 
@@ -215,3 +215,63 @@ def step_program(s: Schedule, grad_accum: int, *, update: bool = True,
                      host_groups=host_groups, keep=keep, pooled=pooled, trains=trains)
   ops += [Settle(grad_accum, update=update, deferred=deferred), Drain(grad_accum)]
   return StepProgram(tuple(ops), s, grad_accum)
+
+
+def eval_program(s: Schedule, grad_accum: int) -> StepProgram:
+  """The operations of a forward-only pass (an evaluation), in the step's
+  micro-batches: each unit fetched once per micro-batch in forward order, no
+  checkpoint, no backward, no gradient, no update.
+
+  Args:
+    s: the batch shape's schedule.
+    grad_accum: micro-batches.
+
+  Returns:
+    The `StepProgram`, whose schedule is `forward_schedule(s)`.
+  """
+  fwd = forward_schedule(s)
+  resident = set(fwd.resident_units())
+  ops: list[Op] = []
+  for m in range(grad_accum):
+    pos = iter(range(len(fwd.fetch_order)))
+    ops.append(StartFetches(m))
+
+    def take(u: int) -> Op | None:
+      ops.append(UseResident(m, u) if u in resident else Take(m, u, next(pos)))
+      return None if u in resident else ops[-1]
+
+    def release(t: Op | None) -> None:
+      if t is not None:
+        ops.append(Release(m, t.unit, t.position))
+
+    t = take(s.embed)
+    ops.append(EmbedForward(m))
+    release(t)
+    for i in range(s.n_layers):
+      t = take(1 + i)
+      ops.append(BlockForward(m, i))
+      release(t)
+    held = [take(s.head)] + ([take(s.embed)] if s.tied else [])
+    ops.append(HeadLoss(m, s.head, tied=s.tied))
+    for t in held:
+      release(t)
+    ops.append(JobDone(m))
+  ops += [Settle(grad_accum, update=False), Drain(grad_accum)]
+  return StepProgram(tuple(ops), fwd, grad_accum)
+
+
+def forward_schedule(s: Schedule) -> Schedule:
+  """A schedule's forward alone: the units an evaluation fetches, in its order.
+
+  Args:
+    s: the step's schedule.
+
+  Returns:
+    The same schedule with `fetch_order` cut to the forward, the head and the tied
+    embedding, and no fused tail.
+  """
+  order = [0, *range(1, s.head + 1)] + ([0] if s.tied else [])
+  if not s.streamed_ends:
+    order = [u for u in order if u not in (s.embed, s.head)]
+  return dataclasses.replace(s, fetch_order=tuple(order), fused_tail=False,
+                             start_positions=min(s.start_positions, len(order)))

@@ -75,6 +75,14 @@ class StepPlan:
     """
     return _program(self, update, started)
 
+  def eval_program(self) -> program_lib.StepProgram:
+    """The operations of a forward-only pass of this shape (`trainer.evaluate`).
+
+    Returns:
+      The `StepProgram` (`plan.program.eval_program`).
+    """
+    return _eval_program(self)
+
   def programs(self, steps: int = SIMULATED_STEPS) -> list[program_lib.StepProgram]:
     """The operations of a trainer's first steps of this shape.
 
@@ -123,3 +131,8 @@ def _program(plan: StepPlan, update: bool, started: bool) -> program_lib.StepPro
       deferred=plan.deferred, host_groups=plan.sent_groups, keep=plan.keep,
       pooled=plan.pooled,
       trains=None if plan.trains is None else tuple(n > 0 for n in plan.trains))
+
+
+@functools.lru_cache(maxsize=256)
+def _eval_program(plan: StepPlan) -> program_lib.StepProgram:
+  return program_lib.eval_program(plan.schedule, plan.grad_accum)

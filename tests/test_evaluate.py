@@ -1,0 +1,101 @@
+"""What a step reports beside its loss, and the forward-only pass.
+
+`grad_norm` is the global norm of the step's gradient before any clip, from both
+trainers; `evaluate` is a streamed forward pass that equals the resident trainer's
+loss and changes nothing.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import megatrain_jax as mt
+from megatrain_jax import lora
+from conftest import TINY, random_batch
+
+BASE = TINY.replace(n_layers=3)
+MOE = BASE.replace(d_ff=48, n_experts=4, n_experts_per_tok=2, moe_d_ff=16,
+                   moe_layers=(True, False, True), router_aux_loss_coef=0.1)
+BATCHES = [random_batch(BASE, batch_size=4, seed=s, mask_fraction=0.3) for s in range(3)]
+HELD_OUT = random_batch(BASE, batch_size=4, seed=99, mask_fraction=0.3)
+
+# (model, optimizer, engine config, trainable): per-unit fused, per-unit Optax,
+# clipped (norm from the accumulated sums), whole tree, frozen units.
+CASES = {
+    "fused_accum2": (BASE, lambda: mt.optim.adamw(1e-2), dict(grad_accum=2), None),
+    "optax_units": (BASE.replace(tie_embeddings=True), lambda: optax.lion(1e-3), {}, None),
+    "clipped_moe": (MOE, lambda: mt.optim.clip_by_global_norm(0.05, mt.optim.adamw(1e-2)),
+                    dict(activations="host"), None),
+    "whole_tree": (BASE, lambda: optax.chain(optax.clip_by_global_norm(0.05),
+                                             optax.adamw(1e-2)), {}, None),
+    "lora": (BASE, lambda: optax.adamw(1e-2), {}, nnx.LoRAParam),
+}
+
+
+def _model(cfg, trainable):
+  model = mt.Llama(cfg, rngs=nnx.Rngs(0))
+  if trainable is nnx.LoRAParam:
+    model = lora.apply(model, lora.LoraConfig(rank=2, alpha=4), rngs=nnx.Rngs(1))
+  return model
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grad_norm_is_the_resident_gradients_global_norm_before_any_clip(case):
+  cfg, tx, ec, trainable = CASES[case]
+  ref = mt.ResidentTrainer(_model(cfg, trainable), tx(), trainable=trainable)
+  with mt.StreamingTrainer(_model(cfg, trainable), tx(), mt.EngineConfig(**ec),
+                           trainable=trainable) as eng:
+    for b in BATCHES:
+      # The gradient the step applies, at the parameters before it.
+      _, grads = ref.loss_and_grads(b)
+      want = float(optax.global_norm(grads))
+      r, s = ref.step(b), eng.step(b)
+      assert r["grad_norm"] == pytest.approx(want, rel=1e-6)
+      np.testing.assert_allclose(float(s["grad_norm"]), want, rtol=1e-5)
+      assert want > 0.05  # so the clipped cases do clip
+
+
+@pytest.mark.parametrize("cfg, ec", [
+    (BASE, dict(grad_accum=2)),
+    (BASE.replace(tie_embeddings=True), dict(activations="host", prefetch_depth=2)),
+    (MOE, dict(stream_embed_head=False, recompute="dots")),
+], ids=["accum2", "tied_host_activations", "moe_resident_ends_dots"])
+def test_evaluate_equals_the_resident_loss_and_changes_nothing(cfg, ec):
+  tx = lambda: mt.optim.adamw(1e-2, weight_decay=0.1)
+  ref = mt.ResidentTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), tx())
+  plain = mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), tx(), mt.EngineConfig(**ec))
+  with plain, mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), tx(),
+                                  mt.EngineConfig(**ec)) as eng:
+    for b in BATCHES:
+      got, want = eng.evaluate(HELD_OUT), ref.evaluate(HELD_OUT)
+      assert got["tokens"] == want["tokens"] == HELD_OUT["loss_mask"].sum()
+      np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-5)
+      # Between a step and its next fetches: the pass cancels those and refetches.
+      assert eng.step(b)["loss"] == plain.step(b)["loss"]
+      ref.step(b)
+    # An evaluation moved no parameter and no optimizer state: the trainer that
+    # evaluated between its steps is bit for bit the one that never did.
+    jax.tree.map(np.testing.assert_array_equal, eng.params(), plain.params())
+    a, b = eng.snapshot(), plain.snapshot()
+    try:
+      for part in eng.state_layout():
+        jax.tree.map(np.testing.assert_array_equal, a.take(part), b.take(part))
+    finally:
+      a.close()
+      b.close()
+    # The loss of the model alone: a MoE model's load-balancing term is left out.
+    np.testing.assert_allclose(eng.evaluate(HELD_OUT)["loss"], ref.evaluate(HELD_OUT)["loss"],
+                               rtol=1e-5)
+  if cfg.n_experts:
+    loss_with_aux, _ = ref.loss_and_grads(HELD_OUT)
+    assert loss_with_aux > ref.evaluate(HELD_OUT)["loss"]
+
+
+def test_evaluate_refuses_a_bad_batch_and_the_trainer_goes_on():
+  with mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-3)) as eng:
+    bad = dict(HELD_OUT, labels=HELD_OUT["labels"][:, :-1])
+    with pytest.raises(ValueError, match="labels"):
+      eng.evaluate(bad)
+    assert np.isfinite(eng.step(BATCHES[0])["loss"])
