@@ -15,13 +15,17 @@ The process restarts once with malloc asking for transparent huge pages (see
 `megatrain_jax/launch.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """
 
-import json
-
-from absl import app, flags, logging
-
-from megatrain_jax import bench
 from megatrain_jax import launch
-from megatrain_jax.models.config import LlamaConfig
+
+launch.use_huge_pages()  # before anything imports JAX: may restart the process once
+
+# pylint: disable=wrong-import-position
+import json  # noqa: E402
+
+from absl import app, flags, logging  # noqa: E402
+
+from megatrain_jax import bench  # noqa: E402
+from megatrain_jax.models.config import LlamaConfig  # noqa: E402
 
 flags.DEFINE_enum("suite", "cpu", ["cpu", "smoke"], "Which sizes to run.")
 flags.DEFINE_string("out", "bench.json", "Where to write the JSON result.")
@@ -48,8 +52,8 @@ SUITES = {
 
 def main(argv):
   del argv
-  launch.use_huge_pages()  # first: may restart the process once, see its docstring
   logging.set_verbosity(logging.INFO)
+  logging.info("%s", launch.describe())
   suite = SUITES[FLAGS.suite]
   if FLAGS.reps is not None:
     suite.reps = FLAGS.reps

@@ -14,7 +14,6 @@ from absl import app, flags
 from megatrain_jax import planner
 from megatrain_jax.bench import calibrate
 from megatrain_jax.engine import EngineConfig
-from megatrain_jax import launch
 from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.optim import adamw
@@ -44,7 +43,6 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  launch.use_huge_pages()  # first: may restart the process once, see its docstring
   try:
     cfg = (planner.config_from_hf_json(FLAGS.hf_config) if FLAGS.hf_config
            else preset(FLAGS.model))

@@ -1,28 +1,38 @@
 """megatrain_jax: full-precision LLM training on one accelerator with host offload.
 
-`import megatrain_jax as mt` gives the models, both trainers and the engine; the
-modules that pull in more (`mt.hf`, `mt.checkpoint`, `mt.planner`, `mt.train`,
-`mt.bench`, `mt.figures`, `mt.lora`) load on first use.
+`import megatrain_jax as mt` gives the models, both trainers and the engine
+(`mt.Llama`, `mt.StreamingTrainer`, ...), and the modules that pull in more
+(`mt.hf`, `mt.checkpoint`, `mt.planner`, `mt.train`, `mt.bench`, `mt.figures`,
+`mt.lora`). Everything loads on first use: importing the package itself imports
+neither JAX nor NumPy, so a launcher can set up its process first
+(`megatrain_jax.launch`).
 """
 
 import importlib
 
-from megatrain_jax.models import Llama, LlamaConfig, PRESETS, RopeScaling, preset
-from megatrain_jax.models.batch import check_batch
-from megatrain_jax.resident import ResidentTrainer
-from megatrain_jax.engine import (DeviceTransport, EngineConfig, MeshTransport, SimulatedLink,
-                                  StreamingTrainer)
-from megatrain_jax import data, engine, metrics, models, optim
-
 __version__ = "0.1.0"
-_LAZY = ("hf", "checkpoint", "planner", "train", "bench", "figures", "lora")
+
+# Name -> the module that defines it.
+_NAMES = {
+    "Llama": "megatrain_jax.models", "LlamaConfig": "megatrain_jax.models",
+    "PRESETS": "megatrain_jax.models", "RopeScaling": "megatrain_jax.models",
+    "preset": "megatrain_jax.models", "check_batch": "megatrain_jax.models.batch",
+    "ResidentTrainer": "megatrain_jax.resident", "Trainer": "megatrain_jax.protocol",
+    "DeviceTransport": "megatrain_jax.engine", "EngineConfig": "megatrain_jax.engine",
+    "MeshTransport": "megatrain_jax.engine", "SimulatedLink": "megatrain_jax.engine",
+    "StreamingTrainer": "megatrain_jax.engine",
+}
+_MODULES = ("data", "engine", "metrics", "models", "optim", "hf", "checkpoint", "planner",
+            "train", "bench", "figures", "lora", "launch")
 
 
 def __getattr__(name):
-  if name in _LAZY:
+  if name in _NAMES:
+    return getattr(importlib.import_module(_NAMES[name]), name)
+  if name in _MODULES:
     return importlib.import_module(f"megatrain_jax.{name}")
   raise AttributeError(f"module 'megatrain_jax' has no attribute {name!r}")
 
 
 def __dir__():
-  return sorted(list(globals()) + list(_LAZY))
+  return sorted(list(globals()) + list(_NAMES) + list(_MODULES))

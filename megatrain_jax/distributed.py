@@ -28,18 +28,16 @@ import inspect
 import os
 
 import jax
-from absl import logging
+from absl import flags, logging
 from jax.experimental import multihost_utils
 
-
-def _field(default, help_text: str, **meta):
-  return dataclasses.field(default=default, metadata={"help": help_text, **meta})
+from megatrain_jax.engine.config import config_field as _field
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
   """How this process joins a run of several (all None: alone, or as the cluster's
-  launcher says). Every field is a flag of `experiments/train.py`."""
+  launcher says). Every field is a flag of `experiments/train.py` (`define_flags`)."""
 
   coordinator_address: str | None = _field(
       None, "host:port of process 0, where the processes meet (the same in every process).")
@@ -87,6 +85,33 @@ class DistributedConfig:
 # Environments in which `jax.distributed.initialize()` finds the run by itself, with
 # the variable that holds the number of processes.
 CLUSTER_ENVS = {"SLURM": "SLURM_NTASKS", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+  """Defines one absl flag per `DistributedConfig` field (`--coordinator_address`,
+  `--num_processes`, `--process_id`, the timeouts), as a launcher's own flags.
+
+  Args:
+    flag_values: where to define them.
+  """
+  for f in dataclasses.fields(DistributedConfig):
+    define = flags.DEFINE_string if f.name == "coordinator_address" else flags.DEFINE_integer
+    kw = {} if f.name == "coordinator_address" else {"lower_bound": f.metadata.get("low")}
+    define(f.name, f.default, f.metadata["help"], flag_values=flag_values, **kw)
+    flags.declare_key_flag(f.name, flag_values=flag_values)
+
+
+def from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> DistributedConfig:
+  """The `DistributedConfig` the flags of `define_flags` hold.
+
+  Args:
+    flag_values: the parsed flags.
+
+  Returns:
+    The config.
+  """
+  return DistributedConfig(**{f.name: flag_values[f.name].value
+                              for f in dataclasses.fields(DistributedConfig)})
 
 
 def cluster_from_env(environ=os.environ) -> str | None:

@@ -12,6 +12,12 @@ when the kernel offers them on request ("madvise" mode). Measured by
 step; docs/performance.md): streaming step 6.52 s without, 5.11 s with; resident
 step with remat 5.64 s without, 5.40 s with.
 
+A launcher calls `use_huge_pages()` on its first lines, before anything imports
+JAX (importing `megatrain_jax` imports nothing heavy: the package loads lazily), so
+the restart replaces a process that has done nothing yet; `describe()` gives the
+line its `main` logs once. Without a restart, start the process with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (a notebook kernel, a debugger, a profiler).
+
 This lives outside the engine: importing a library never restarts a process.
 """
 
@@ -23,7 +29,6 @@ import re
 import sys
 from typing import Mapping
 
-from absl import logging
 
 _THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 HUGE_PAGE_TUNABLE = "glibc.malloc.hugetlb=1"  # glibc >= 2.35: madvise(MADV_HUGEPAGE)
@@ -87,19 +92,33 @@ def use_huge_pages() -> None:
   """Re-executes this process (same interpreter and command line) with malloc
   asking for transparent huge pages, when the kernel offers them on request.
 
-  Call it first in a launcher's `main`: glibc reads the setting only at start,
-  so a running process cannot change it. Returns at once when there is nothing
+  Call it on a launcher's first lines, before anything imports JAX: glibc reads the
+  setting only at start, so a running process cannot change it, and a restart
+  after heavy imports would do them twice. Returns at once when there is nothing
   to do (not Linux/glibc >= 2.35, mode not "madvise", already set, or
-  MEGATRAIN_HUGE_PAGES=0). In a notebook, start the kernel with
-  GLIBC_TUNABLES=glibc.malloc.hugetlb=1 instead.
+  MEGATRAIN_HUGE_PAGES=0). Logs nothing (logging is not set up yet): the restarted
+  process logs `describe()`.
   """
   if platform.system() != "Linux" or not glibc_has_hugetlb():
     return
   env = huge_page_environ(os.environ, thp_mode())
   if env is None:
     return
-  logging.info("Restarting with %s (transparent huge pages for malloc; set %s=0 to "
-               "keep the process as started).", HUGE_PAGE_TUNABLE, OPT_OUT)
   sys.stdout.flush()
   sys.stderr.flush()
   os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
+
+
+def describe(environ: Mapping[str, str] = os.environ) -> str:
+  """What this process's malloc does about huge pages, for a launcher's log.
+
+  Args:
+    environ: the process's environment.
+
+  Returns:
+    One line.
+  """
+  if HUGE_PAGE_TUNABLE in environ.get("GLIBC_TUNABLES", ""):
+    return (f"malloc asks for transparent huge pages ({HUGE_PAGE_TUNABLE}; set {OPT_OUT}=0 "
+            "to start without).")
+  return "malloc uses the kernel's default pages (docs/engine.md: huge pages)."

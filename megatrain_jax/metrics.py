@@ -1,4 +1,5 @@
-"""Throughput accounting and the run's metric files (metrics.jsonl, loss.png)."""
+"""Throughput accounting and the run's metric files (metrics.jsonl, loss.png, and
+TensorBoard event files when asked)."""
 
 from __future__ import annotations
 
@@ -48,25 +49,49 @@ def layer_forward_flops_per_token(cfg: LlamaConfig, seq_len: int, layer: int) ->
 
 
 class MetricsWriter:
-  """Appends one JSON object per logged step to `<workdir>/metrics.jsonl`."""
+  """Appends one JSON object per logged step (or evaluation) to
+  `<workdir>/metrics.jsonl`, and with `tensorboard_dir` each of its numbers as a
+  TensorBoard scalar at the record's step (tensorboardX's event writer)."""
 
-  def __init__(self, workdir: str, append: bool = False):
+  def __init__(self, workdir: str, append: bool = False, tensorboard_dir: str | None = None):
+    """Opens the file (and the event writer).
+
+    Args:
+      workdir: where metrics.jsonl goes.
+      append: keep the records already there (a resumed run).
+      tensorboard_dir: where event files go (None: none are written).
+
+    Raises:
+      ImportError: `tensorboard_dir` without tensorboardX installed.
+    """
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, "metrics.jsonl")
     self._file = open(self.path, "a" if append else "w", encoding="utf-8")
+    self._events = None
+    if tensorboard_dir:
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._events = SummaryWriter(tensorboard_dir)
 
   def write(self, record: dict[str, Any]) -> None:
-    """Appends `record` as one line and flushes it.
+    """Appends `record` as one line and flushes it (and its numbers as scalars).
 
     Args:
-      record: the step's metrics; JSON-serializable.
+      record: the step's metrics, with "step"; JSON-serializable.
     """
     self._file.write(json.dumps(record, sort_keys=True) + "\n")
     self._file.flush()
+    if self._events is not None:
+      for k, v in record.items():
+        if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool):
+          self._events.add_scalar(k.replace("eval_", "eval/", 1) if k.startswith("eval_")
+                                  else f"train/{k}", v, record["step"])
+      self._events.flush()
 
   def close(self) -> None:
-    """Closes the file."""
+    """Closes the file (and the event writer)."""
     self._file.close()
+    if self._events is not None:
+      self._events.close()
 
   def __enter__(self):
     return self
@@ -92,7 +117,8 @@ def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = "") 
   """Plots loss against step and saves the figure as a PNG.
 
   Args:
-    records: metric records, each with "step" and "loss".
+    records: metric records, each with "step" and "loss" (a training step) or
+      "eval_loss" (an evaluation, drawn as a second line).
     out_png: the image file to write.
     title: the plot's title; empty gives "training loss".
   """
@@ -101,7 +127,13 @@ def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = "") 
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(6, 4))
-  ax.plot([r["step"] for r in records], [r["loss"] for r in records])
+  train = [r for r in records if "loss" in r]
+  ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
+  held = [r for r in records if "eval_loss" in r]
+  if held:
+    ax.plot([r["step"] for r in held], [r["eval_loss"] for r in held], "o-",
+            label="held out")
+    ax.legend()
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats/token)")
   ax.set_title(title or "training loss")

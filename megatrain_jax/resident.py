@@ -179,6 +179,26 @@ class ResidentTrainer:
                                 for i, x in enumerate(jax.tree.leaves(t))}
                             for k, t in self._parts().items()})
 
+  def stats(self) -> dict[str, Any]:
+    """Counters, as `StreamingTrainer.stats` names them.
+
+    Returns:
+      {"steps", "skipped_steps"} (a non-finite step raises here: none is skipped).
+    """
+    return {"steps": self._step_count, "skipped_steps": 0}
+
+  def wait(self) -> None:
+    """Nothing runs after a step returns: returns at once."""
+
+  def close(self) -> None:
+    """Nothing to stop (the device arrays go with the trainer)."""
+
+  def __enter__(self) -> "ResidentTrainer":
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
   def restore(self, read, step_count: int) -> None:
     """Replaces the whole state with the parts of `state_layout()` from `read`.
 

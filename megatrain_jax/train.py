@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import time
 from typing import Any
+
 
 import jax
 import optax
@@ -23,6 +25,7 @@ from megatrain_jax import progress
 from megatrain_jax import metrics as metrics_lib
 from megatrain_jax import optim
 from megatrain_jax.engine import StreamingTrainer
+from megatrain_jax.protocol import Trainer
 from megatrain_jax.engine.plan import memory
 from megatrain_jax.engine.plan import pinned
 from megatrain_jax.engine import platform
@@ -33,10 +36,25 @@ from megatrain_jax.models.params import init_adapters_tree
 from megatrain_jax.resident import ResidentTrainer
 
 from megatrain_jax.train_config import TrainConfig
+from megatrain_jax.train_data import make_datasets, split_held_out  # noqa: F401  (the API)
+
+
+def lr_schedule(tc: TrainConfig) -> optax.Schedule:
+  """The run's learning rate: linear warmup, then cosine decay to a tenth.
+
+  Args:
+    tc: the run.
+
+  Returns:
+    The schedule; step s (1-based) applies `schedule(s - 1)`.
+  """
+  warmup = min(tc.warmup_steps, tc.steps // 2)
+  return optax.warmup_cosine_decay_schedule(
+      0.0, tc.lr, warmup, max(tc.steps, warmup + 1), end_value=0.1 * tc.lr)
 
 
 def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
-  """The run's optimizer: AdamW, linear warmup then cosine decay to a tenth.
+  """The run's optimizer: AdamW on `lr_schedule`.
 
   Args:
     tc: the run.
@@ -44,15 +62,11 @@ def make_optimizer(tc: TrainConfig) -> optax.GradientTransformation:
   Returns:
     `mt.optim.adamw` (optax.adamw, which the engine runs fused on the host).
   """
-  warmup = min(tc.warmup_steps, tc.steps // 2)
-  schedule = optax.warmup_cosine_decay_schedule(
-      0.0, tc.lr, warmup, max(tc.steps, warmup + 1), end_value=0.1 * tc.lr)
-  # optax.adamw, which the streaming engine runs fused and in parallel on the host.
-  return optim.adamw(schedule, b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
+  return optim.adamw(lr_schedule(tc), b1=0.9, b2=0.95, weight_decay=tc.weight_decay)
 
 
 def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
-  """The trainer `tc.engine` names; both start from the same parameters for a seed.
+  """The trainer `tc.trainer` names; both start from the same parameters for a seed.
 
   Args:
     tc: the run.
@@ -63,11 +77,11 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
     `ResidentTrainer`.
   """
   key, trainable = jax.random.key(tc.seed), tc.trainable()
-  if tc.hf_model_dir and tc.engine == "streaming":
+  if tc.hf_model_dir and tc.trainer == "streaming":
     return hf.streaming_trainer(tc.hf_model_dir, make_optimizer(tc), tc.streaming_config(),
                                 compute=tc.compute(), lora=cfg.lora, key=key,
                                 trainable=trainable)
-  if tc.engine == "streaming":
+  if tc.trainer == "streaming":
     return StreamingTrainer.from_config(cfg, make_optimizer(tc), tc.streaming_config(), key,
                                         trainable=trainable)
   if tc.hf_model_dir:
@@ -76,7 +90,7 @@ def make_trainer(tc: TrainConfig, cfg: LlamaConfig):
       lora.replace_params(model, cfg, init_adapters_tree(cfg, model.param_tree(), key))
   else:
     model = Llama(cfg, rngs=nnx.Rngs(params=key))
-  return ResidentTrainer(model, make_optimizer(tc), compute_dtype=tc.engine_config.compute_dtype,
+  return ResidentTrainer(model, make_optimizer(tc), compute_dtype=tc.engine.compute_dtype,
                          trainable=trainable)
 
 
@@ -94,7 +108,7 @@ def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
   Raises:
     ValueError: not even one sequence fits.
   """
-  ec = tc.engine_config
+  ec = tc.engine
   limit = ec.device_budget_bytes or platform.accelerator_bytes()
   if limit is None:
     host = memory.host_bytes(cfg, make_optimizer(tc), ec)["total"]
@@ -109,37 +123,27 @@ def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
   return batch
 
 
-def make_dataset(tc: TrainConfig, cfg: LlamaConfig, share: tuple[int, int] = (0, 1)
-                 ) -> data_lib.PackedDataset:
-  """Batches of `tc.data` in `tc.data_format`, tokenized for the model.
+def evaluate(trainer: Trainer, dataset: data_lib.PackedDataset, batches: int
+             ) -> dict[str, float]:
+  """The held-out loss: the same `batches` batches every time, forward only.
 
   Args:
-    tc: the run.
-    cfg: its model.
-    share: (this process's index, the number of processes): its rows of each batch.
+    trainer: either trainer.
+    dataset: the held-out data (its position is reset).
+    batches: how many batches.
 
   Returns:
-    The dataset.
-
-  Raises:
-    ValueError: a tokenizer with more ids than the model's vocabulary, or bad data.
+    {"eval_loss": the token-weighted mean loss, "eval_perplexity": its exp,
+    "eval_tokens": the tokens it covers}.
   """
-  tok, kw = tc.tokenizer(), dict(process_index=share[0], process_count=share[1])
-  if tok.vocab_size > cfg.vocab_size:
-    raise ValueError(f"The tokenizer has {tok.vocab_size} ids but the model's vocab_size "
-                     f"is {cfg.vocab_size}; use a larger model or the model's own tokenizer.")
-  if tc.data_format in data_lib.INSTRUCT_FORMATS:
-    convs = data_lib.read_conversations(tc.data, tc.data_format)
-    rows = data_lib.build_sequences(convs, tok, tc.seq_len, tc.overlong, pack=tc.packs())
-    return data_lib.PackedDataset(rows[0], tc.batch_size, tc.seed, *rows[1:], **kw)
-  docs = data_lib.read_documents(tc.data, max_bytes=tc.max_data_bytes,
-                                 jsonl=True if tc.data_format == "jsonl" else None)
-  if tc.packs():
-    windows, segments = data_lib.pack(docs, tc.seq_len, tok, segments=True)
-    return data_lib.PackedDataset(windows, tc.batch_size, tc.seed, segments_NxT1=segments,
-                                  **kw)
-  return data_lib.PackedDataset(data_lib.pack(docs, tc.seq_len, tok), tc.batch_size, tc.seed,
-                                **kw)
+  dataset.position = data_lib.DataPosition()
+  loss_sum = tokens = 0.0
+  for _ in range(batches):
+    m = trainer.evaluate(dataset.next_batch())
+    loss_sum, tokens = loss_sum + m["loss"] * m["tokens"], tokens + m["tokens"]
+  loss = loss_sum / max(tokens, 1.0)
+  return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 700.0)),
+          "eval_tokens": tokens}
 
 
 def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
@@ -155,9 +159,9 @@ def preflight(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str, int]]:
   Raises:
     ValueError: the run cannot fit (see `preflight.check_fits`).
   """
-  resident = tc.engine == "resident"
+  resident = tc.trainer == "resident"
   plan = preflight_lib.check_fits(cfg, make_optimizer(tc),
-                                  None if resident else tc.engine_config, tc.batch_size,
+                                  None if resident else tc.engine, tc.batch_size,
                                   tc.seq_len, host_limit=tc.host_memory_limit_bytes,
                                   resident=resident, trainable=tc.trainable())
   logging.info("Memory plan: host %.3f GiB, device %.3f GiB (available host: %.1f GiB).",
@@ -178,7 +182,7 @@ def checkpoint_settings(tc: TrainConfig, cfg: LlamaConfig) -> dict[str, dict[str
     computes (`COMPUTE_FIELDS`) may change on resume; packing is recorded when on.
   """
   run = {k: getattr(tc, k) for k in tc.RESUME_FIELDS}
-  run["compute_dtype"] = tc.engine_config.dtype_name
+  run["compute_dtype"] = tc.engine.dtype_name
   if tc.packs():
     run["pack"] = True
   model = {k: v for k, v in cfg.to_dict().items() if k not in COMPUTE_FIELDS}
@@ -208,24 +212,25 @@ def run(tc: TrainConfig, dc: distributed.DistributedConfig | None = None
   """
   tc.validate()
   cfg = tc.model_config()
-  if tc.engine == "streaming":
+  if tc.trainer == "streaming":
     # Before anything starts a JAX backend: XLA's GPU client reads the pinned-memory
     # limit once. An automatic batch size is not known yet: its copies only.
     batch = 0 if tc.batch_size == "auto" else tc.batch_size
-    pinned.configure(pinned.pinned_bytes(cfg, tc.engine_config, batch, tc.seq_len))
+    pinned.configure(pinned.pinned_bytes(cfg, tc.engine, batch, tc.seq_len))
   distributed.initialize(dc or distributed.DistributedConfig())
   index, count = jax.process_index(), jax.process_count()
-  if count > 1 and tc.engine != "streaming":
-    raise ValueError(f"--engine={tc.engine} runs in one process; this run has {count}. Use "
-                     "--engine=streaming, or start one process.")
+  if count > 1 and tc.trainer != "streaming":
+    raise ValueError(f"--config.trainer={tc.trainer} runs in one process; this run has "
+                     f"{count}. Use --config.trainer=streaming, or start one process.")
   if tc.batch_size == "auto":
     tc = dataclasses.replace(tc, batch_size=auto_batch_size(tc, cfg) * count)
-  dataset = make_dataset(tc, cfg, (index, count))
-  logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens%s; engine=%s.",
+  dataset, held_out = make_datasets(tc, cfg, (index, count))
+  logging.info("Model %s: %.2fM parameters; %d sequences of %d tokens%s%s; trainer=%s.",
                tc.hf_model_dir or (tc.model if isinstance(tc.model, str) else "custom"),
                cfg.param_count() / 1e6, len(dataset.windows), tc.seq_len,
                "" if dataset.non_padding is None else
-               f", packed to {100 * dataset.non_padding:.1f}% non-padding tokens", tc.engine)
+               f", packed to {100 * dataset.non_padding:.1f}% non-padding tokens",
+               "" if held_out is None else f", {len(held_out.windows)} held out", tc.trainer)
   preflight(dataclasses.replace(tc, batch_size=tc.batch_size // count), cfg)
   os.makedirs(tc.workdir, exist_ok=True)
   trainer = make_trainer(tc, cfg)
@@ -239,13 +244,13 @@ def run(tc: TrainConfig, dc: distributed.DistributedConfig | None = None
     start = _resume(tc, cfg, trainer, ckpt, dataset, metrics_path)
     distributed.check_same(start, "the step to resume from")
     if start < tc.steps:
-      if _loop(tc, cfg, dataset, trainer, ckpt, start) < tc.steps:
-        logging.info("Stopped (--stop_after=%d); the same command continues.", tc.stop_after)
+      if _loop(tc, cfg, (dataset, held_out), trainer, ckpt, start) < tc.steps:
+        logging.info("Stopped (stop_after=%d); the same command continues.", tc.stop_after)
       else:
         _export(tc, cfg, trainer)
     else:
       logging.info("The checkpoint in %s is at step %d: training is complete "
-                   "(--steps=%d). Use a new --workdir to train again.",
+                   "(steps=%d). Use a new --config.workdir to train again.",
                    tc.workdir, start, tc.steps)
   except BaseException:
     _close_quietly(ckpt, trainer)
@@ -254,12 +259,11 @@ def run(tc: TrainConfig, dc: distributed.DistributedConfig | None = None
     if ckpt is not None:
       ckpt.close()
   finally:
-    if isinstance(trainer, StreamingTrainer):
-      trainer.close()  # raises what the last updates met, if anything
+    trainer.close()  # raises what the last updates met, if anything
   records = metrics_lib.read_metrics(metrics_path)
   metrics_lib.plot_loss(records, os.path.join(tc.workdir, "loss.png"),
                         title=f"{tc.model if isinstance(tc.model, str) else 'custom'} "
-                              f"({tc.engine})")
+                              f"({tc.trainer})")
   logging.info("Wrote %s and loss.png.", metrics_path)
   return records
 
@@ -304,40 +308,50 @@ def _resume(tc, cfg, trainer, ckpt, dataset, metrics_path) -> int:
   return start
 
 
-def _loop(tc: TrainConfig, cfg: LlamaConfig, dataset, trainer, ckpt, start: int) -> int:
-  """Trains from step `start` to the last step or --stop_after; returns the last."""
+def _loop(tc: TrainConfig, cfg: LlamaConfig, data, trainer: Trainer, ckpt, start: int) -> int:
+  """Trains from step `start` to the last step or stop_after; returns the last."""
+  dataset, held_out = data
   flops_per_token = metrics_lib.model_flops_per_token(cfg, tc.seq_len)
-  settings = checkpoint_settings(tc, cfg)
+  settings, lr = checkpoint_settings(tc, cfg), lr_schedule(tc)
   bar = progress.progress_bar(tc.steps, start) if tc.progress else None
   stop = min(tc.steps, start + (tc.stop_after or tc.steps))
   # LoRA dropout's masks: step s from fold_in(key, s), so a resumed run draws the same.
   dropout = jax.random.fold_in(jax.random.key(tc.seed), 0xD50) if (
       cfg.lora is not None and cfg.lora.dropout) else None
-  with metrics_lib.MetricsWriter(tc.workdir, append=True) as writer, progress.logs_around(bar):
+  with metrics_lib.MetricsWriter(tc.workdir, append=True,
+                                 tensorboard_dir=tc.tensorboard_dir) as writer, \
+      progress.logs_around(bar):
+    shown: dict[str, str] = {}
     for step in range(start + 1, stop + 1):
       batch = dataset.next_batch()
       t0 = time.perf_counter()
       m = trainer.step(batch, None if dropout is None else jax.random.fold_in(dropout, step))
       dt = time.perf_counter() - t0
-      if bar is not None:
-        bar.update(1)
-        bar.set_postfix(loss=f"{m['loss']:.3f}")
+      shown["loss"] = f"{m['loss']:.3f}"
       if step == 1 or step % tc.log_every == 0 or step == stop:
-        record = {"step": step, "loss": m["loss"], "grad_norm": m.get("grad_norm"),
-                  "step_time_s": dt, "tokens_per_s": m["tokens"] / dt,
-                  "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12}
-        if isinstance(trainer, StreamingTrainer):
-          record["skipped_steps"] = trainer.stats()["skipped_steps"]
+        record = {"step": step, "loss": m["loss"], "grad_norm": float(m["grad_norm"]),
+                  "lr": float(lr(step - 1)), "step_time_s": dt,
+                  "tokens_per_s": m["tokens"] / dt,
+                  "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12,
+                  "skipped_steps": trainer.stats()["skipped_steps"]}
         if dataset.non_padding is not None:
           record["data_non_padding"] = dataset.non_padding
         writer.write(record)
-        logging.info("step %d  loss %.4f  %.0f tok/s", step, m["loss"],
-                     record["tokens_per_s"])
+        logging.info("step %d  loss %.4f  grad_norm %.3g  lr %.3g  %.0f tok/s", step,
+                     m["loss"], record["grad_norm"], record["lr"], record["tokens_per_s"])
+      if held_out is not None and (step % tc.eval_every == 0 or step == tc.steps):
+        record = {"step": step, **evaluate(trainer, held_out, tc.eval_batches)}
+        writer.write(record)
+        shown["eval"] = f"{record['eval_loss']:.3f}"
+        logging.info("step %d  eval loss %.4f  perplexity %.2f  (%d tokens)", step,
+                     record["eval_loss"], record["eval_perplexity"], record["eval_tokens"])
+      if bar is not None:
+        bar.update(1)
+        bar.set_postfix(shown)
       if ckpt is not None and (step % tc.save_every == 0 or step == stop):
         ckpt.save(trainer, {**settings,
                             "data_position": dataclasses.asdict(dataset.position)})
-    if isinstance(trainer, StreamingTrainer):
-      trainer.wait()  # the last step's last updates, and anything they found
+    trainer.wait()  # the last step's last updates, and anything they found
   if bar is not None:
     bar.close()
   return stop

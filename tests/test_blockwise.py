@@ -97,17 +97,23 @@ def test_bad_shapes_are_named():
     blockwise_attention(q, k, v)
 
 
-@pytest.mark.parametrize("block, dtype, segments, platform, kernel", [
-    (None, jnp.bfloat16, False, "gpu", "xla"),
-    (512, jnp.bfloat16, False, "gpu", "cudnn"),
-    (512, jnp.float32, False, "gpu", "blockwise"),   # cuDNN attention is bf16/fp16 only
-    (512, jnp.bfloat16, True, "gpu", "blockwise"),   # no segment ids in its API
-    (512, jnp.bfloat16, False, "cpu", "blockwise"),
+@pytest.mark.parametrize("block, dtype, segments, platform, seq_len, kernel", [
+    (None, jnp.bfloat16, False, "gpu", 8192, "xla"),
+    (512, jnp.bfloat16, False, "gpu", 64, "cudnn"),
+    (512, jnp.float32, False, "gpu", 64, "blockwise"),   # cuDNN attention is bf16/fp16 only
+    (512, jnp.bfloat16, True, "gpu", 64, "blockwise"),   # no segment ids in its API
+    (512, jnp.bfloat16, False, "rocm", 64, "blockwise"),  # no cuDNN on an AMD GPU
+    (512, jnp.bfloat16, False, "cpu", 64, "blockwise"),
+    ("auto", jnp.bfloat16, False, "gpu", 64, "cudnn"),
+    ("auto", jnp.float32, False, "cpu", 2047, "xla"),    # below the crossover
+    ("auto", jnp.float32, False, "cpu", 2048, "blockwise"),
+    ("auto", jnp.bfloat16, True, "gpu", 16384, "blockwise"),
 ])
-def test_the_kernel_follows_its_limits(block, dtype, segments, platform, kernel):
+def test_the_kernel_follows_its_limits(block, dtype, segments, platform, seq_len, kernel):
   from megatrain_jax.models import layers
   from conftest import TINY
   cfg = TINY.replace(attention_block=block)
-  assert layers.attention_kernel(cfg, dtype, segments, platform) == kernel
+  assert layers.attention_kernel(cfg, dtype, segments, seq_len, platform) == kernel
   wide = cfg.replace(attn_head_dim=192)
-  assert layers.attention_kernel(wide, dtype, segments, platform) in ("xla", "blockwise")
+  assert layers.attention_kernel(wide, dtype, segments, seq_len, platform) in (
+      "xla", "blockwise")

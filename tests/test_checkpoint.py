@@ -267,8 +267,8 @@ def test_a_failed_write_releases_the_snapshot(tmp_path, monkeypatch):
 
 # --- The launcher, killed and rerun ------------------------------------------
 
-ARGS = ["--steps=30", "--batch_size=4", "--seq_len=32", "--save_every=10", "--log_every=1",
-        "--max_data_bytes=100000", "--lr=1e-3", "--warmup_steps=4"]
+ARGS = ["--config.steps=30", "--config.batch_size=4", "--config.seq_len=32", "--config.save_every=10", "--config.log_every=1",
+        "--config.max_data_bytes=100000", "--config.lr=1e-3", "--config.warmup_steps=4"]
 
 
 @pytest.fixture(scope="module")
@@ -282,7 +282,7 @@ def uninterrupted(tmp_path_factory):
 
 def _start(workdir, env_extra=None):
   env = dict(os.environ, **(env_extra or {}))
-  return subprocess.Popen([sys.executable, TRAIN, f"--workdir={workdir}", *ARGS], cwd=REPO,
+  return subprocess.Popen([sys.executable, TRAIN, f"--config.workdir={workdir}", *ARGS], cwd=REPO,
                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True)
 
@@ -304,7 +304,7 @@ def _logged_steps(workdir):
 
 
 def _rerun_and_compare(workdir, uninterrupted, resumed_from):
-  r = subprocess.run([sys.executable, TRAIN, f"--workdir={workdir}", *ARGS], cwd=REPO,
+  r = subprocess.run([sys.executable, TRAIN, f"--config.workdir={workdir}", *ARGS], cwd=REPO,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"Resumed from step {resumed_from} " in r.stderr

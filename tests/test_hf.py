@@ -347,9 +347,9 @@ def test_launcher_fine_tunes_and_exports_a_local_checkpoint(tmp_path):
           {"from": "gpt", "value": f"w{i + 2} w{i + 3} w{i + 4}"}]}) + "\n")
   out = str(tmp_path / "export")
   r = subprocess.run(
-      [sys.executable, os.path.join(REPO, "experiments", "train.py"), f"--workdir={tmp_path}/run",
-       f"--hf_model_dir={d}", f"--data={data}", "--data_format=sharegpt", "--steps=4",
-       "--batch_size=4", "--seq_len=16", "--lr=1e-3", f"--export_dir={out}", "--save_every=0"],
+      [sys.executable, os.path.join(REPO, "experiments", "train.py"), f"--config.workdir={tmp_path}/run",
+       f"--config.hf_model_dir={d}", f"--config.data={data}", "--config.data_format=sharegpt", "--config.steps=4",
+       "--config.batch_size=4", "--config.seq_len=16", "--config.lr=1e-3", f"--config.export_dir={out}", "--config.save_every=0"],
       capture_output=True, text=True, timeout=300, cwd=REPO)
   assert r.returncode == 0, r.stderr[-3000:]
   tuned = transformers.Qwen2ForCausalLM.from_pretrained(out).eval()
@@ -437,9 +437,9 @@ def test_the_launcher_prints_a_bad_checkpoint_as_one_message(tmp_path, damage, m
       json.dump(config, f)
   r = subprocess.run(
       [sys.executable, os.path.join(REPO, "experiments", "train.py"),
-       f"--workdir={tmp_path}/run", f"--hf_model_dir={d}", "--steps=2", "--batch_size=2",
-       "--seq_len=16", "--max_data_bytes=20000"],
+       f"--config.workdir={tmp_path}/run", f"--config.hf_model_dir={d}", "--config.steps=2", "--config.batch_size=2",
+       "--config.seq_len=16", "--config.max_data_bytes=20000"],
       capture_output=True, text=True, timeout=300, cwd=REPO)
   assert r.returncode != 0
   assert message in r.stderr
-  assert "Traceback" not in r.stderr and "--prefetch_depth" not in r.stderr
+  assert "Traceback" not in r.stderr and "--config.engine.prefetch_depth" not in r.stderr

@@ -166,10 +166,10 @@ def _launch(tmp_path, base_dir, *flags):
   from test_hf import REPO
   return subprocess.run(
       [sys.executable, os.path.join(REPO, "experiments", "train.py"),
-       f"--workdir={tmp_path}/run", f"--hf_model_dir={base_dir}", "--data=stdlib",
-       "--max_data_bytes=20000", "--batch_size=4", "--seq_len=16", "--lr=1e-2",
-       "--lora_rank=4", "--lora_alpha=8", "--lora_targets=q_proj,v_proj,down_proj",
-       "--lora_dropout=0.1", "--save_every=2", "--log_every=1", "--progress=false", *flags],
+       f"--config.workdir={tmp_path}/run", f"--config.hf_model_dir={base_dir}", "--config.data=stdlib",
+       "--config.max_data_bytes=20000", "--config.batch_size=4", "--config.seq_len=16", "--config.lr=1e-2",
+       "--config.lora_rank=4", "--config.lora_alpha=8", "--config.lora_targets=q_proj,v_proj,down_proj",
+       "--config.lora_dropout=0.1", "--config.save_every=2", "--config.log_every=1", "--config.progress=false", *flags],
       capture_output=True, text=True, timeout=600, cwd=REPO)
 
 
@@ -178,7 +178,7 @@ def test_the_launcher_fine_tunes_lora_resumes_and_exports_for_peft(tmp_path):
   base = str(tmp_path / "base")
   _hf_model("llama_gqa", vocab_size=260).save_pretrained(base)
   adapter = str(tmp_path / "adapter")
-  r = _launch(tmp_path, base, "--steps=4", f"--export_adapter_dir={adapter}")
+  r = _launch(tmp_path, base, "--config.steps=4", f"--config.export_adapter_dir={adapter}")
   assert r.returncode == 0, r.stderr[-3000:]
   whole = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
   # A checkpoint holds the adapters and their state, not the base: a reference to it.
@@ -195,9 +195,9 @@ def test_the_launcher_fine_tunes_lora_resumes_and_exports_for_peft(tmp_path):
   out = pm.generate(input_ids=torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
   assert out.shape == (1, 7)
   # Stopped after 2 steps and resumed: the same losses as the run in one go.
-  r = _launch(tmp_path / "again", base, "--steps=4", "--stop_after=2")
+  r = _launch(tmp_path / "again", base, "--config.steps=4", "--config.stop_after=2")
   assert r.returncode == 0, r.stderr[-3000:]
-  r = _launch(tmp_path / "again", base, "--steps=4")
+  r = _launch(tmp_path / "again", base, "--config.steps=4")
   assert r.returncode == 0, r.stderr[-3000:]
   resumed = [json.loads(x) for x in open(tmp_path / "again" / "run" / "metrics.jsonl")]
   assert [x["loss"] for x in resumed] == [x["loss"] for x in whole]
@@ -206,5 +206,5 @@ def test_the_launcher_fine_tunes_lora_resumes_and_exports_for_peft(tmp_path):
     changed = _hf_model("llama_gqa", vocab_size=260)
     changed.model.layers[0].mlp.up_proj.weight.add_(1.0)
     changed.save_pretrained(base)
-  r = _launch(tmp_path / "again", base, "--steps=4")
+  r = _launch(tmp_path / "again", base, "--config.steps=4")
   assert r.returncode != 0 and "frozen values differ" in r.stderr, r.stderr[-2000:]

@@ -1,6 +1,7 @@
 """The launchers' restart with transparent huge pages (`megatrain_jax.launch`)."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -45,3 +46,26 @@ def test_use_huge_pages_restarts_once_with_the_tunable():
   assert len(lines) == 1  # the restarted process printed once, and did not restart again
   offered = (launch.thp_mode() == "madvise" and launch.glibc_has_hugetlb())
   assert lines[0] == ("TUNABLES glibc.malloc.hugetlb=1" if offered else "TUNABLES None")
+
+
+@pytest.mark.parametrize("script", ["train.py", "bench.py", "figures/depth.py"])
+def test_a_launcher_restarts_before_it_imports_jax(script):
+  # -X importtime survives the restart (sys.orig_argv): JAX shows once in all.
+  env = {k: v for k, v in os.environ.items()
+         if k not in ("GLIBC_TUNABLES", launch.OPT_OUT)}
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-X", "importtime",
+                      os.path.join(repo, "experiments", script), "--helpshort"],
+                     env=env, capture_output=True, text=True, timeout=300, cwd=repo)
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]  # absl's --helpshort exits 1
+  jax_imports = [l for l in r.stderr.splitlines() if re.search(r"\|\s+jax$", l)]
+  assert len(jax_imports) == 1, jax_imports
+  starts = [l for l in r.stderr.splitlines() if re.search(r"\|\s+megatrain_jax$", l)]
+  offered = launch.thp_mode() == "madvise" and launch.glibc_has_hugetlb()
+  assert len(starts) == (2 if offered else 1)  # the restart happened, before JAX
+
+
+def test_describe_says_what_malloc_does():
+  assert "asks for transparent huge pages" in launch.describe(
+      {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"})
+  assert "default pages" in launch.describe({})

@@ -33,8 +33,8 @@ def _launch(workdir, steps, save_every, heartbeat_s=30, extra=()):
   """Starts the launcher in two processes of 2 CPU devices each."""
   env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
          "MEGATRAIN_HUGE_PAGES": "0"}
-  args = [f"--workdir={workdir}", f"--steps={steps}", f"--save_every={save_every}",
-          "--batch_size=8", "--log_every=1", "--max_data_bytes=200000", "--progress=false",
+  args = [f"--config.workdir={workdir}", f"--config.steps={steps}", f"--config.save_every={save_every}",
+          "--config.batch_size=8", "--config.log_every=1", "--config.max_data_bytes=200000", "--config.progress=false",
           f"--coordinator_address=localhost:{_free_port()}", "--num_processes=2",
           f"--heartbeat_timeout_s={heartbeat_s}", *extra]
   return [subprocess.Popen([sys.executable, TRAIN, *args, f"--process_id={p}"], env=env,
@@ -74,7 +74,7 @@ def test_two_processes_train_like_one_and_resume_from_one_checkpoint(tmp_path):
 
   work = tmp_path / "two"
   # Both processes stop after step 3 (as a cluster job's time limit would have it).
-  _finish(_launch(work, steps=5, save_every=5, extra=["--stop_after=3"]))
+  _finish(_launch(work, steps=5, save_every=5, extra=["--config.stop_after=3"]))
   first = _losses(work / "metrics.jsonl")
   _close(first, {s: want[s] for s in (1, 2, 3)})
   assert _losses(work / "process_1" / "metrics.jsonl") == first  # one update, everywhere

@@ -207,8 +207,8 @@ def test_preflight_refuses_a_run_over_host_ram(tmp_path, monkeypatch):
     train_lib.run(_tc(tmp_path, host_memory_limit_bytes=2**20))
   msg = str(e.value)
   tc = _tc(tmp_path)
-  need = (memory.host_bytes(TINY_RUN, train_lib.make_optimizer(tc), tc.engine_config)["total"]
-          + memory.device_bytes(TINY_RUN, tc.engine_config, 4, 32)["total"])  # CPU backend
+  need = (memory.host_bytes(TINY_RUN, train_lib.make_optimizer(tc), tc.engine)["total"]
+          + memory.device_bytes(TINY_RUN, tc.engine, 4, 32)["total"])  # CPU backend
   assert f"needs about {need / 2**30:.2f} GiB of host memory" in msg
   assert "masters 0.00, optimizer_state 0.01" in msg and "only 0.00 GiB is available" in msg
   assert "smaller model" in msg
@@ -218,7 +218,7 @@ def test_preflight_refuses_a_run_over_the_device_budget(tmp_path, monkeypatch):
   _no_trainer(monkeypatch)
   with pytest.raises(ValueError, match=r"needs about .* GiB of device memory .*over the "
                                        r"device limit .*Lower the batch size"):
-    train_lib.run(_tc(tmp_path, engine_config=mt.EngineConfig(device_budget_bytes=100_000)))
+    train_lib.run(_tc(tmp_path, engine=mt.EngineConfig(device_budget_bytes=100_000)))
 
 
 def test_missing_data_file_is_named_before_anything_is_built(tmp_path, monkeypatch):

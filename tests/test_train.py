@@ -1,4 +1,5 @@
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,33 +19,58 @@ def _run(*args):
                         timeout=300, cwd=REPO)
 
 
-@pytest.mark.parametrize("engine", ["streaming", "resident"])
-def test_launcher_writes_metrics_and_plot(tmp_path, engine):
-  if engine == "streaming":  # the script itself, flags and all
-    r = _run(f"--workdir={tmp_path}", f"--engine={engine}", "--steps=6", "--log_every=2",
-             "--batch_size=4", "--seq_len=32", "--max_data_bytes=200000", "--host_threads=3",
-             "--pack", "--attention_block=8", "--mlp_chunk=50")
+@pytest.mark.parametrize("trainer", ["streaming", "resident"])
+def test_launcher_writes_metrics_evaluations_events_and_plot(tmp_path, trainer):
+  tb = tmp_path / "tb"
+  if trainer == "streaming":  # the script itself, overrides and all
+    r = _run(f"--config.workdir={tmp_path}", f"--config.trainer={trainer}",
+             "--config.steps=6", "--config.log_every=2", "--config.batch_size=4",
+             "--config.seq_len=32", "--config.max_data_bytes=200000",
+             "--config.engine.host_threads=3", "--config.pack=true",
+             "--config.attention_block=8", "--config.mlp_chunk=50", "--config.eval_every=3",
+             "--config.eval_batches=2", f"--config.tensorboard_dir={tb}")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "fused AdamW on 3 threads" in r.stderr
+    assert "step 3  eval loss" in r.stderr
     meta = json.load(open(tmp_path / "checkpoints" / "step_00000006" / "meta.json"))
     assert meta["run"]["pack"] is True
   else:  # the same run, in-process
-    train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path), engine=engine, steps=6,
-                                        log_every=2, batch_size=4, seq_len=32,
-                                        max_data_bytes=200_000, progress=False))
+    train_lib.run(train_lib.TrainConfig(
+        workdir=str(tmp_path), trainer=trainer, steps=6, log_every=2, batch_size=4,
+        seq_len=32, max_data_bytes=200_000, progress=False, eval_every=3, eval_batches=2,
+        tensorboard_dir=str(tb)))
   records = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
-  assert [r["step"] for r in records] == [1, 2, 4, 6]
-  for rec in records:
-    assert rec["loss"] > 0 and rec["tokens_per_s"] > 0
+  steps = [r for r in records if "loss" in r]
+  assert [r["step"] for r in steps] == [1, 2, 4, 6]
+  schedule = train_lib.lr_schedule(train_lib.TrainConfig(steps=6))
+  for rec in steps:
+    assert rec["loss"] > 0 and rec["tokens_per_s"] > 0 and rec["grad_norm"] > 0
+    assert rec["lr"] == pytest.approx(float(schedule(rec["step"] - 1)))
+  evals = [r for r in records if "eval_loss" in r]
+  assert [r["step"] for r in evals] == [3, 6]
+  for rec in evals:  # 2 batches of 4 x 32 held-out tokens
+    assert rec["eval_tokens"] == 256 and rec["eval_perplexity"] == pytest.approx(
+        math.exp(rec["eval_loss"]))
+  assert evals[1]["eval_loss"] < evals[0]["eval_loss"]  # it learns what it did not see
   assert (tmp_path / "loss.png").stat().st_size > 1000
+  # The same numbers, read back by TensorBoard's own event reader.
+  from tensorboard.backend.event_processing import event_accumulator
+  events = event_accumulator.EventAccumulator(str(tb))
+  events.Reload()
+  loss = events.Scalars("train/loss")
+  assert [e.step for e in loss] == [1, 2, 4, 6]
+  assert [e.value for e in loss] == pytest.approx([r["loss"] for r in steps])
+  assert [e.value for e in events.Scalars("eval/loss")] == pytest.approx(
+      [r["eval_loss"] for r in evals])
+  assert {"train/grad_norm", "train/lr", "eval/perplexity"} <= set(events.Tags()["scalars"])
 
 
 @pytest.mark.parametrize("flag, message", [
-    ("--seq_len=100000", "max_seq_len"),
-    ("--data=/nonexistent/corpus.txt", "does not exist"),
+    ("--config.seq_len=100000", "max_seq_len"),
+    ("--config.data=/nonexistent/corpus.txt", "does not exist"),
 ])
 def test_launcher_bad_input_is_a_clear_error(tmp_path, flag, message):
-  r = _run(f"--workdir={tmp_path}", "--steps=2", flag)
+  r = _run(f"--config.workdir={tmp_path}", "--config.steps=2", flag)
   assert r.returncode != 0
   assert message in r.stderr
   assert "Traceback" not in r.stderr
@@ -56,15 +82,15 @@ def test_launcher_bad_input_is_a_clear_error(tmp_path, flag, message):
     (dict(data=""), {}, "No data path"),
     (dict(model="huge"), {}, "Unknown model size"),
     (dict(batch_size=0), {}, "batch_size"),
-    (dict(keep=0), {}, "--keep must be >= 1"),
-    ({}, dict(grad_accum=3), "not divisible by --grad_accum=3"),
+    (dict(keep=0), {}, "--config.keep must be >= 1"),
+    ({}, dict(grad_accum=3), "not divisible by --config.engine.grad_accum=3"),
     ({}, dict(prefetch_depth=-1), "prefetch_depth"),
     ({}, dict(compute_dtype="float16"), "compute_dtype"),
 ])
 def test_bad_train_config_is_a_clear_error(tmp_path, changes, engine, message):
   with pytest.raises((ValueError, FileNotFoundError), match=message):
     tc = train_lib.TrainConfig(workdir=str(tmp_path), steps=2, progress=False,
-                               engine_config=mt.EngineConfig(**engine), **changes)
+                               engine=mt.EngineConfig(**engine), **changes)
     train_lib.run(tc)
 
 
@@ -80,7 +106,7 @@ def test_pack_defaults_on_for_instruction_data(tmp_path, fmt, pack, packed):
                              seq_len=100, attention_block=16)
   cfg = tc.model_config()
   assert cfg.attention_block == 16 and cfg.mlp_chunk is None
-  batch = train_lib.make_dataset(tc, cfg).next_batch()
+  batch = train_lib.make_datasets(tc, cfg)[0].next_batch()
   assert ("segment_ids" in batch) == packed
   if packed:
     assert batch["segment_ids"].max() > 1  # several documents in a row
@@ -96,17 +122,28 @@ def test_the_bundled_chat_sample_packs_to_over_90_percent(tmp_path, caplog):
 
 
 def test_config_validation_in_library():
-  with pytest.raises(ValueError, match="engine"):
-    train_lib.TrainConfig(engine="gpu-magic").validate()
+  with pytest.raises(ValueError, match="trainer"):
+    train_lib.TrainConfig(trainer="gpu-magic").validate()
+
+
+def test_held_out_documents_are_left_out_of_training():
+  docs = [f"document {i}" for i in range(40)]
+  train, held = train_lib.split_held_out(docs, 0.1, seed=3)
+  assert len(held) == 4 and sorted(train + held) == sorted(docs)
+  assert not set(train) & set(held)
+  assert train_lib.split_held_out(docs, 0.1, seed=3) == (train, held)  # the seed's
+  assert train == [d for d in docs if d not in held]  # order kept
+  with pytest.raises(ValueError, match="eval_fraction"):
+    train_lib.split_held_out(docs[:1], 0.5, seed=0)
 
 
 @pytest.mark.parametrize("model", ["tiny", "tiny_moe"])
 def test_streaming_and_resident_runs_agree(tmp_path, model):
   common = dict(steps=4, batch_size=4, seq_len=32, max_data_bytes=200_000, log_every=1,
                 progress=False, model=model)
-  a = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "s"), engine="streaming",
+  a = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "s"), trainer="streaming",
                                           **common))
-  b = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "r"), engine="resident",
+  b = train_lib.run(train_lib.TrainConfig(workdir=str(tmp_path / "r"), trainer="resident",
                                           **common))
   for x, y in zip(a, b):
     assert abs(x["loss"] - y["loss"]) <= 1e-4 * y["loss"]
@@ -115,15 +152,15 @@ def test_streaming_and_resident_runs_agree(tmp_path, model):
 def test_launcher_input_error_is_the_message_alone(tmp_path):
   not_a_dir = tmp_path / "file.txt"
   not_a_dir.write_text("x")
-  r = _run(f"--workdir={not_a_dir}", "--steps=2")
+  r = _run(f"--config.workdir={not_a_dir}", "--config.steps=2")
   assert r.returncode != 0
-  assert f"--workdir={not_a_dir} is a file" in r.stderr
+  assert f"--config.workdir={not_a_dir} is a file" in r.stderr
   assert "Traceback" not in r.stderr
-  assert "--prefetch_depth" not in r.stderr  # no flag listing for an input error
+  assert "--config.engine.prefetch_depth" not in r.stderr  # no flag listing for an input error
 
 
 def test_launcher_flag_misuse_still_shows_the_flags(tmp_path):
-  r = _run(f"--workdir={tmp_path}", "--prefetch_depth=many")
+  r = _run(f"--config.workdir={tmp_path}", "--config.engine.prefetch_depth=many")
   assert r.returncode != 0 and "prefetch_depth" in r.stderr
 
 

@@ -8,7 +8,11 @@ depths for 14B on `h200` at 8 x 4096 tokens and at 1 x 1024 tokens (link-bound).
 The paper lost 31% without double buffering.
 """
 
-from megatrain_jax import figures
+from megatrain_jax import launch
+
+launch.use_huge_pages()  # before anything imports JAX: may restart the process once
+
+from megatrain_jax import figures  # noqa: E402  pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
   figures.run_script("ablation")

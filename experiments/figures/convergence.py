@@ -6,7 +6,11 @@ Both trainers start from the same parameters and see the same batches of stdlib
 text; the curves overlay (fp32 on CPU they agree to rounding).
 """
 
-from megatrain_jax import figures
+from megatrain_jax import launch
+
+launch.use_huge_pages()  # before anything imports JAX: may restart the process once
+
+from megatrain_jax import figures  # noqa: E402  pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
   figures.run_script("convergence")

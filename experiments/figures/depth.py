@@ -7,7 +7,11 @@ Measured: a narrow model on this machine from 2 to 16 layers; the device peak st
 flat because only a few layers are ever on the device.
 """
 
-from megatrain_jax import figures
+from megatrain_jax import launch
+
+launch.use_huge_pages()  # before anything imports JAX: may restart the process once
+
+from megatrain_jax import figures  # noqa: E402  pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
   figures.run_script("depth")

@@ -8,7 +8,11 @@ bytes the engine allocates on this machine for small presets (masters, optimizer
 streaming copies), beside the planner's count for the same configs.
 """
 
-from megatrain_jax import figures
+from megatrain_jax import launch
+
+launch.use_huge_pages()  # before anything imports JAX: may restart the process once
+
+from megatrain_jax import figures  # noqa: E402  pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
   figures.run_script("host_memory")

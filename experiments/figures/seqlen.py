@@ -8,7 +8,11 @@ nothing fits, the row says so. Measured: a tiny model on this machine from 64 to
 tokens at a fixed 4K tokens per step.
 """
 
-from megatrain_jax import figures
+from megatrain_jax import launch
+
+launch.use_huge_pages()  # before anything imports JAX: may restart the process once
+
+from megatrain_jax import figures  # noqa: E402  pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
   figures.run_script("seqlen")

@@ -7,7 +7,11 @@ bf16 compute, for 7B..200B on the `h200` and `gh200` profiles. Measured: model T
 of the streaming engine on this machine for small presets.
 """
 
-from megatrain_jax import figures
+from megatrain_jax import launch
+
+launch.use_huge_pages()  # before anything imports JAX: may restart the process once
+
+from megatrain_jax import figures  # noqa: E402  pylint: disable=wrong-import-position
 
 if __name__ == "__main__":
   figures.run_script("throughput")

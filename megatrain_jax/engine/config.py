@@ -1,8 +1,8 @@
 """`EngineConfig`: how the streaming engine runs, with the value sets of its choices.
 
-Every field carries its help text in `metadata["help"]`; the launcher makes one flag
-per field from it (`megatrain_jax.config_flags`), so a new field reaches the command
-line without a second list.
+Every field carries its help text in `metadata["help"]`, made by `config_field`, as
+do `TrainConfig`'s and `DistributedConfig`'s; an experiment's config file holds every
+field, each overridable on the command line (`megatrain_jax.configs`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,23 @@ HOST_CHUNK = 2**18
 MAX_PENDING_GRADIENTS = 2
 
 
-def _field(default, help_text: str, **kw):
-  return dataclasses.field(default=default, metadata={"help": help_text, **kw})
+def config_field(default, help_text: str, **meta) -> dataclasses.Field:
+  """A config dataclass's field with its help and what a check knows of it.
+
+  Args:
+    default: the default value.
+    help_text: what the field means (shown by `megatrain_jax.configs.describe`).
+    **meta: `choices` (the allowed values), `low` (a lower bound), `size` (bytes: a
+      string like "8G" is accepted), `positive`, or `flag=False` (not in a config
+      file: set from Python only).
+
+  Returns:
+    The `dataclasses.field`.
+  """
+  return dataclasses.field(default=default, metadata={"help": help_text, **meta})
+
+
+_field = config_field
 
 
 def dtype_name(dtype) -> str:
@@ -60,8 +75,9 @@ def dtype_name(dtype) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-  """How the streaming engine runs. Each field's help is in its metadata (and
-  `python experiments/train.py --help` lists them as flags)."""
+  """How the streaming engine runs. Each field's help is in its metadata; in a config
+  file they are `config.engine.<field>` (`python experiments/train.py --describe`
+  lists them)."""
 
   prefetch_depth: int = _field(
       2, "Units fetched ahead of the one computing (0: each fetch waits for the "
@@ -71,7 +87,7 @@ class EngineConfig:
       "group of this many layers and holds their parameters for the group.", low=1)
   compute_dtype: Any = _field(
       jnp.float32, "Compute dtype, float32 or bfloat16; masters and optimizer state "
-      "stay fp32.", choices=tuple(DTYPES), flag_default="float32")
+      "stay fp32.", choices=tuple(DTYPES))
   grad_accum: int = _field(
       1, "Micro-batches per step; the batch size must divide by it.", low=1)
   stream_embed_head: bool = _field(

@@ -14,8 +14,8 @@ FIGURES = {m.__name__.rsplit(".", 1)[1]: m for m in
 def run_script(name: str) -> None:
   """The body of `experiments/figures/<name>.py`: --out_dir and --quick, then make().
 
-  Defines the two flags and runs the figure's `make` under `absl.app`, after
-  `use_huge_pages()`.
+  Defines the two flags and runs the figure's `make` under `absl.app` (the script
+  calls `launch.use_huge_pages()` before it imports this package).
 
   Args:
     name: the figure, a key of `FIGURES`.
@@ -28,7 +28,7 @@ def run_script(name: str) -> None:
 
   def main(argv):
     del argv
-    launch.use_huge_pages()  # first: may restart the process once, see its docstring
+    logging.info("%s", launch.describe())
     csv_path, png_path = FIGURES[name].make(flags.FLAGS.out_dir, flags.FLAGS.quick)
     logging.info("Wrote %s and %s.", csv_path, png_path)
 

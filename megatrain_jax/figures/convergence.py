@@ -25,7 +25,7 @@ def rows(quick: bool, out_dir: str) -> list[dict]:
   """
   out = []
   for engine in ("streaming", "resident"):
-    tc = train_lib.TrainConfig(workdir=f"{out_dir}/convergence_{engine}", engine=engine,
+    tc = train_lib.TrainConfig(workdir=f"{out_dir}/convergence_{engine}", trainer=engine,
                                steps=3 if quick else 200, log_every=1, save_every=0,
                                batch_size=4 if quick else 16, seq_len=32 if quick else 128,
                                max_data_bytes=20_000 if quick else 4_000_000, progress=False)

@@ -50,7 +50,10 @@ class LlamaConfig:
   `attention_block` picks how attention is computed, not what: None runs
   `layers.dense_attention` (it forms the T x T scores);
   an int runs `models.blockwise` with blocks of that many tokens, whose memory grows
-  with T, not T^2. `mlp_chunk` runs a dense layer's norm and feed-forward that many
+  with T, not T^2 (or cuDNN's fused kernel on an NVIDIA GPU in bf16); "auto" (the
+  default) picks cuDNN's kernel where it runs, else the blockwise kernel from
+  `layers.AUTO_BLOCKWISE_FROM` tokens on and the dense one below
+  (`layers.attention_kernel`). `mlp_chunk` runs a dense layer's norm and feed-forward that many
   tokens at a time, each chunk recomputed in the backward, so its d_ff-wide
   intermediates take one chunk's memory at any sequence length (None: all at once).
 
@@ -81,7 +84,7 @@ class LlamaConfig:
   norm_topk_prob: bool = True
   moe_layers: tuple[bool, ...] | None = None
   router_aux_loss_coef: float = 0.0
-  attention_block: int | None = None
+  attention_block: int | str | None = "auto"
   mlp_chunk: int | None = None
   lora: LoraConfig | None = None
 
@@ -105,9 +108,12 @@ class LlamaConfig:
     for name in ("attn_head_dim", "sliding_window", "moe_d_ff", "shared_expert_d_ff",
                  "attention_block", "mlp_chunk"):
       value = getattr(self, name)
+      if name == "attention_block" and value == "auto":
+        continue
       if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                 or value <= 0):
-        raise ValueError(f"LlamaConfig.{name} must be a positive integer or None, got "
+        raise ValueError(f"LlamaConfig.{name} must be a positive integer or None"
+                         f"{', or auto' if name == 'attention_block' else ''}, got "
                          f"{value!r}.")
     if self.attn_head_dim is None and self.d_model % self.n_heads:
       raise ValueError(

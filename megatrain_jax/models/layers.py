@@ -85,35 +85,68 @@ def _adapted(adapters: Adapters | None, ps: dict, x) -> dict:
 
 ATTENTION_KERNELS = ("xla", "cudnn", "blockwise")
 _FUSED_DTYPES = (jnp.bfloat16, jnp.float16)
+# attention_block="auto" (the default) off a GPU: the blockwise kernel, in blocks of
+# AUTO_BLOCK tokens, from AUTO_BLOCKWISE_FROM tokens a sequence on, where it is no
+# slower than the dense one on a 2-core CPU (docs/engine.md, "Attention: dense or
+# blockwise"); the dense kernel below that, where its T x T scores are small.
+AUTO_BLOCK = 512
+AUTO_BLOCKWISE_FROM = 2048
 
 
-def attention_kernel(cfg: LlamaConfig, dtype, segments: bool,
+def attention_kernel(cfg: LlamaConfig, dtype, segments: bool, seq_len: int,
                      platform: str | None = None) -> str:
   """Which kernel computes attention (one of `ATTENTION_KERNELS`).
 
-  Without `cfg.attention_block`: "xla", `dense_attention` (XLA's matmuls), which
-  forms the [T, T] scores. With it: "cudnn", the fused cuDNN kernel, on a GPU
-  in bf16/fp16 with a head width of at most 128 (a multiple of 8) and no segment
+  `cfg.attention_block=None`: "xla", `dense_attention` (XLA's matmuls), which forms
+  the [T, T] scores. An int, or "auto": "cudnn", the fused cuDNN kernel, on an NVIDIA
+  GPU in bf16/fp16 with a head width of at most 128 (a multiple of 8) and no segment
   ids (its API takes no segment ids); else "blockwise" (`models.blockwise`), which
-  runs anywhere, in any dtype, with segment ids.
+  runs anywhere, in any dtype, with segment ids; but "auto" below
+  `AUTO_BLOCKWISE_FROM` tokens is "xla".
 
   Args:
     cfg: the model.
     dtype: the dtype attention computes in.
     segments: whether the batch carries segment ids.
-    platform: the JAX platform; None: the default backend's.
+    seq_len: tokens a sequence.
+    platform: the JAX platform; None: this process's ("rocm" for an AMD GPU).
 
   Returns:
     The kernel's name.
   """
-  if not cfg.attention_block:
+  if cfg.attention_block is None:
     return "xla"
-  platform = platform or jax.default_backend()
+  platform = platform or _platform()
   hd = cfg.head_dim
   if (platform in ("gpu", "cuda") and jnp.dtype(dtype) in map(jnp.dtype, _FUSED_DTYPES)
       and hd <= 128 and hd % 8 == 0 and not segments):
     return "cudnn"
+  if cfg.attention_block == "auto" and seq_len < AUTO_BLOCKWISE_FROM:
+    return "xla"
   return "blockwise"
+
+
+def attention_block(cfg: LlamaConfig, seq_len: int) -> int:
+  """The blockwise kernel's block at this length.
+
+  Args:
+    cfg: the model (`attention_block` an int, or "auto").
+    seq_len: tokens a sequence.
+
+  Returns:
+    `cfg.attention_block`, or `AUTO_BLOCK` for "auto"; never more than `seq_len`.
+  """
+  block = AUTO_BLOCK if cfg.attention_block == "auto" else cfg.attention_block
+  return min(block, seq_len)
+
+
+def _platform() -> str:
+  """This process's JAX platform, with an AMD GPU as "rocm" (no cuDNN there)."""
+  platform = jax.default_backend()
+  if platform == "gpu":
+    version = getattr(jax.devices()[0].client, "platform_version", "") or ""
+    return "rocm" if "rocm" in version.lower() else "gpu"
+  return platform
 
 
 def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | None = None,
@@ -146,15 +179,15 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
   q = rotary(q, positions_T, cfg.rope_theta, cfg.rope_scaling)
   k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
   # Grouped-query attention: every kernel takes K/V with fewer heads than Q.
-  kernel = attention_kernel(cfg, q.dtype, segment_ids is not None)
+  kernel = attention_kernel(cfg, q.dtype, segment_ids is not None, t)
   if kernel == "cudnn":
     o = jax.nn.dot_product_attention(
         q, k, v, is_causal=True, implementation="cudnn",
         local_window_size=None if window is None else (window - 1, 0))
   elif kernel == "blockwise":
+    block = attention_block(cfg, t)
     o = blockwise.blockwise_attention(q, k, v, segment_ids=segment_ids, window=window,
-                                      block_q=cfg.attention_block,
-                                      block_k=cfg.attention_block)
+                                      block_q=block, block_k=block)
   else:
     o = dense_attention(q, k, v, segment_ids, window)
   o = o.reshape(b, t, cfg.n_heads * hd)

@@ -284,7 +284,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
       devices_per_host=per_host, params=sum(counts),
       activations=ec.activations, recompute=ec.recompute, recompute_options=options,
       host=host, mlp_chunk=cfg.mlp_chunk,
-      attention=layers.attention_kernel(cfg, ec.compute_dtype, False,
+      attention=layers.attention_kernel(cfg, ec.compute_dtype, False, seq_len,
                                         _platform(hw.flash_attention)),
       pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size // hosts, seq_len,
                                      on_cpu=hw.shared),

@@ -47,11 +47,11 @@ def workspace_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len
            + 3 * (cfg.shared_expert_d_ff or 0) + cfg.d_model) * tokens
     mlp = max(moe, mlp if not all(map(cfg.layer_is_moe, range(cfg.n_layers))) else 0)
   out = 2 * (tokens * (cfg.d_model + 2 * q + 2 * kv) + mlp) * cd
-  kernel = layers.attention_kernel(cfg, ec.compute_dtype, False, platform)
+  kernel = layers.attention_kernel(cfg, ec.compute_dtype, False, seq_len, platform)
   if kernel == "xla":
     out += 2 * b * cfg.n_heads * seq_len * seq_len * 4
   elif kernel == "blockwise":
-    block = min(cfg.attention_block, seq_len)
+    block = layers.attention_block(cfg, seq_len)
     out += tokens * (q + 2 * kv) * 4 + 4 * b * cfg.n_heads * block * block * 4
   else:
     out += b * cfg.n_heads * seq_len * 4
