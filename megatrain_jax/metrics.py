@@ -113,7 +113,8 @@ def read_metrics(path: str) -> list[dict[str, Any]]:
     return [json.loads(line) for line in f if line.strip()]
 
 
-def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = "") -> None:
+def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = ""
+              ) -> dict[str, list[tuple[int, float]]]:
   """Plots loss against step and saves the figure as a PNG.
 
   Args:
@@ -121,18 +122,21 @@ def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = "") 
       "eval_loss" (an evaluation, drawn as a second line).
     out_png: the image file to write.
     title: the plot's title; empty gives "training loss".
+
+  Returns:
+    Each line drawn by its label ("train", "held out"): its (step, loss) points.
   """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(6, 4))
-  train = [r for r in records if "loss" in r]
-  ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train")
-  held = [r for r in records if "eval_loss" in r]
-  if held:
-    ax.plot([r["step"] for r in held], [r["eval_loss"] for r in held], "o-",
-            label="held out")
+  lines = {"train": [(r["step"], r["loss"]) for r in records if "loss" in r],
+           "held out": [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]}
+  lines = {k: v for k, v in lines.items() if v}
+  for label, points in lines.items():
+    ax.plot(*zip(*points), "o-" if label == "held out" else "-", label=label)
+  if len(lines) > 1:
     ax.legend()
   ax.set_xlabel("step")
   ax.set_ylabel("loss (nats/token)")
@@ -141,3 +145,4 @@ def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = "") 
   fig.tight_layout()
   fig.savefig(out_png, dpi=100)
   plt.close(fig)
+  return lines

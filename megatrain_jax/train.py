@@ -125,12 +125,12 @@ def auto_batch_size(tc: TrainConfig, cfg: LlamaConfig) -> int:
 
 def evaluate(trainer: Trainer, dataset: data_lib.PackedDataset, batches: int
              ) -> dict[str, float]:
-  """The held-out loss: the same `batches` batches every time, forward only.
+  """The held-out loss: the same batches every time, forward only.
 
   Args:
     trainer: either trainer.
     dataset: the held-out data (its position is reset).
-    batches: how many batches.
+    batches: how many batches (at most one epoch of the data: no row twice).
 
   Returns:
     {"eval_loss": the token-weighted mean loss, "eval_perplexity": its exp,
@@ -138,7 +138,7 @@ def evaluate(trainer: Trainer, dataset: data_lib.PackedDataset, batches: int
   """
   dataset.position = data_lib.DataPosition()
   loss_sum = tokens = 0.0
-  for _ in range(batches):
+  for _ in range(min(batches, dataset.batches_per_epoch)):
     m = trainer.evaluate(dataset.next_batch())
     loss_sum, tokens = loss_sum + m["loss"] * m["tokens"], tokens + m["tokens"]
   loss = loss_sum / max(tokens, 1.0)
@@ -322,24 +322,36 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, data, trainer: Trainer, ckpt, start
                                  tensorboard_dir=tc.tensorboard_dir) as writer, \
       progress.logs_around(bar):
     shown: dict[str, str] = {}
+    # A logged step's record waits for the next step: its grad_norm (the step's last
+    # updates) is known by then without a wait, so logging keeps the overlap.
+    pending: list = []
+
+    def flush():
+      for record, norm in pending:
+        record["grad_norm"] = float(norm)
+        writer.write(record)
+        logging.info("step %d  loss %.4f  grad_norm %.3g  lr %.3g  %.0f tok/s",
+                     record["step"], record["loss"], record["grad_norm"], record["lr"],
+                     record["tokens_per_s"])
+      pending.clear()
+
     for step in range(start + 1, stop + 1):
       batch = dataset.next_batch()
       t0 = time.perf_counter()
       m = trainer.step(batch, None if dropout is None else jax.random.fold_in(dropout, step))
       dt = time.perf_counter() - t0
+      flush()
       shown["loss"] = f"{m['loss']:.3f}"
       if step == 1 or step % tc.log_every == 0 or step == stop:
-        record = {"step": step, "loss": m["loss"], "grad_norm": float(m["grad_norm"]),
-                  "lr": float(lr(step - 1)), "step_time_s": dt,
-                  "tokens_per_s": m["tokens"] / dt,
+        record = {"step": step, "loss": m["loss"], "lr": float(lr(step - 1)),
+                  "step_time_s": dt, "tokens_per_s": m["tokens"] / dt,
                   "model_tflops_per_s": flops_per_token * m["tokens"] / dt / 1e12,
                   "skipped_steps": trainer.stats()["skipped_steps"]}
         if dataset.non_padding is not None:
           record["data_non_padding"] = dataset.non_padding
-        writer.write(record)
-        logging.info("step %d  loss %.4f  grad_norm %.3g  lr %.3g  %.0f tok/s", step,
-                     m["loss"], record["grad_norm"], record["lr"], record["tokens_per_s"])
+        pending.append((record, m["grad_norm"]))
       if held_out is not None and (step % tc.eval_every == 0 or step == tc.steps):
+        flush()  # the pass waits for the last updates anyway
         record = {"step": step, **evaluate(trainer, held_out, tc.eval_batches)}
         writer.write(record)
         shown["eval"] = f"{record['eval_loss']:.3f}"
@@ -349,8 +361,10 @@ def _loop(tc: TrainConfig, cfg: LlamaConfig, data, trainer: Trainer, ckpt, start
         bar.update(1)
         bar.set_postfix(shown)
       if ckpt is not None and (step % tc.save_every == 0 or step == stop):
+        flush()  # the snapshot waits for the last updates anyway
         ckpt.save(trainer, {**settings,
                             "data_position": dataclasses.asdict(dataset.position)})
+    flush()
     trainer.wait()  # the last step's last updates, and anything they found
   if bar is not None:
     bar.close()

@@ -37,8 +37,14 @@ def make_datasets(tc: TrainConfig, cfg: LlamaConfig, share: tuple[int, int] = (0
       held = _read(tc, tc.eval_data)
     else:
       items, held = split_held_out(items, tc.eval_fraction, tc.seed)
-  build = lambda xs: _dataset(tc, xs, tok, share)
-  return build(items), None if held is None else build(held)
+  train = _dataset(tc, items, tok, share)
+  if held is None:
+    return train, None
+  try:
+    return train, _dataset(tc, held, tok, share)
+  except ValueError as e:
+    raise ValueError(f"The held-out data: {e} Raise --config.eval_fraction, or give "
+                     "--config.eval_data.") from None
 
 
 def split_held_out(items: list, fraction: float, seed: int) -> tuple[list, list]:

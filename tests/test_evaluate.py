@@ -93,9 +93,79 @@ def test_evaluate_equals_the_resident_loss_and_changes_nothing(cfg, ec):
     assert loss_with_aux > ref.evaluate(HELD_OUT)["loss"]
 
 
+def test_both_trainers_are_the_one_interface_the_launcher_uses():
+  tx = mt.optim.adamw(1e-3)
+  with mt.ResidentTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), tx) as ref, \
+      mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), tx) as eng:
+    for trainer in (ref, eng):
+      assert isinstance(trainer, mt.Trainer)
+      m = trainer.step(BATCHES[0])
+      assert {"loss", "tokens", "grad_norm"} <= set(m) and float(m["grad_norm"]) > 0
+      trainer.wait()
+      assert trainer.stats()["steps"] == trainer.step_count == 1
+      assert trainer.stats()["skipped_steps"] == 0
+  assert not isinstance(object(), mt.Trainer)
+
+
 def test_evaluate_refuses_a_bad_batch_and_the_trainer_goes_on():
   with mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-3)) as eng:
     bad = dict(HELD_OUT, labels=HELD_OUT["labels"][:, :-1])
     with pytest.raises(ValueError, match="labels"):
       eng.evaluate(bad)
     assert np.isfinite(eng.step(BATCHES[0])["loss"])
+
+
+def _nan_at(nth):
+  """A gradient hook poisoning the nth gradient made (head, layers top down, embed,
+  layer 0)."""
+  calls = {"n": 0}
+
+  def hook(u, g):
+    calls["n"] += 1
+    return g * np.float32(np.nan) if calls["n"] == nth else g
+  return hook
+
+
+@pytest.mark.parametrize("tx", [
+    lambda: mt.optim.adamw(1e-2),
+    lambda: mt.optim.clip_by_global_norm(0.05, mt.optim.adamw(1e-2))],
+    ids=["per_unit", "clipped"])
+def test_a_retried_or_restored_step_reports_its_own_norm(tx):
+  # The norm belongs to the step that applied the gradients, not to its number: a
+  # refused step retried, and a trainer restored to an earlier step, number their
+  # next step again.
+  ref = mt.ResidentTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), tx())
+  with mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), tx(),
+                           grad_hook=_nan_at(1)) as eng:  # the head's first gradient
+    snap = eng.snapshot()
+    parts = {k: snap.take(k) for k in eng.state_layout()}
+    snap.close()
+    with pytest.raises(FloatingPointError, match="No parameter"):
+      eng.step(BATCHES[0])  # refused before any update
+    for b in BATCHES[:2]:
+      want = float(optax.global_norm(ref.loss_and_grads(b)[1]))
+      ref.step(b)
+      np.testing.assert_allclose(float(eng.step(b)["grad_norm"]), want, rtol=1e-5)
+    eng.restore(lambda k: parts[k], 0)  # back to step 0: steps 1, 2 again
+    ref = mt.ResidentTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), tx())
+    norms = []
+    for b in BATCHES[:2]:
+      want = float(optax.global_norm(ref.loss_and_grads(b)[1]))
+      ref.step(b)
+      norms.append(eng.step(b)["grad_norm"])
+      np.testing.assert_allclose(float(norms[-1]), want, rtol=1e-5)
+    assert repr(norms[-1]) == repr(float(norms[-1]))
+
+
+def test_a_late_bad_gradient_makes_the_norm_nan_and_evaluate_raises():
+  # A slow link: the step returns before layer 0's gradient (the last) is on the host;
+  # its update is refused, so the step's norm is NaN, and a pass that read the
+  # half-updated parameters raises as a step would.
+  with mt.StreamingTrainer(mt.Llama(BASE, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
+                           mt.EngineConfig(transport=mt.SimulatedLink(0.001)),
+                           grad_hook=_nan_at(BASE.n_layers + 2)) as eng:
+    m = eng.step(BATCHES[0])
+    assert repr(m["grad_norm"]) in ("LateNorm(pending)", "nan")  # repr does not wait
+    assert np.isnan(float(m["grad_norm"]))
+    with pytest.raises(FloatingPointError, match="found after the step returned"):
+      eng.evaluate(HELD_OUT)

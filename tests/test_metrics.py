@@ -256,3 +256,12 @@ def test_a_child_measurement_returns_what_it_wrote_and_a_failure_is_raised():
   assert child_figures(["-c", code], "test") == {"x": 2}
   with pytest.raises(RuntimeError, match="(?s)The broken measurement failed:.*ZeroDivision"):
     child_figures(["-c", "1 / 0"], "broken")
+
+
+def test_the_plot_draws_the_held_out_loss_beside_the_training_loss(tmp_path):
+  records = [{"step": 1, "loss": 5.0}, {"step": 2, "loss": 4.0},
+             {"step": 2, "eval_loss": 4.5, "eval_perplexity": 90.0}, {"step": 3, "loss": 3.5}]
+  lines = metrics.plot_loss(records, str(tmp_path / "loss.png"))
+  assert lines == {"train": [(1, 5.0), (2, 4.0), (3, 3.5)], "held out": [(2, 4.5)]}
+  assert (tmp_path / "loss.png").stat().st_size > 1000
+  assert list(metrics.plot_loss(records[:2], str(tmp_path / "t.png"))) == ["train"]

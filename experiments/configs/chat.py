@@ -3,9 +3,10 @@ the Python standard library), packed, with a held-out loss.
 
   python experiments/train.py --config=experiments/configs/chat.py
 
-The tiny model from scratch on 512-token rows (159 packed rows, 95% non-padding),
-blockwise attention, 5% of the conversations held out and evaluated every 25 steps.
-About 3 minutes on 2 CPU cores; see the docstring's numbers in docs/hf.md.
+The tiny model from scratch on 512-token rows (152 packed rows for training, 94.8%
+non-padding; 8 rows of the 5% of conversations held out), blockwise attention,
+evaluated every 25 steps. On 2 CPU cores: 102 s; the training loss falls from 5.59 to
+2.39 and the held-out loss from 3.12 (step 25) to 2.53 (step 100).
 """
 
 from megatrain_jax import configs

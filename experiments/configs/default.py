@@ -4,7 +4,7 @@ own source, with the streaming engine. No download.
   python experiments/train.py
 
 The same as --config=experiments/configs/default.py. 200 steps of 16 x 128 tokens:
-about 2 minutes on 2 CPU cores; the loss falls from 5.6 to about 2.3 nats/token.
+about a minute on 2 CPU cores (58-63 s), the loss falling from 5.62 to 2.24.
 """
 
 from megatrain_jax import configs

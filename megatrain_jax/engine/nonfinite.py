@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 
@@ -32,6 +32,7 @@ class StepGuard:
   updated: list[int] = dataclasses.field(default_factory=list)
   first_done: threading.Event = dataclasses.field(default_factory=threading.Event)
   reported: bool = False
+  norm: Any = None  # the step's `host.norms.StepNorm`, when it updates
 
   def admit(self, u: int, finite_flags: Sequence[jax.Array]) -> bool:
     """Whether unit u's per-unit update may run (optimizer thread).

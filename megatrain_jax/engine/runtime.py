@@ -62,6 +62,7 @@ class Runtime:
     specs = host_opt.store.specs
     self.trains = (None if all(s.frozen_size == 0 for s in specs)
                    else tuple(s.train_size for s in specs))
+    self.trained_units = sum(s.train_size > 0 for s in specs)  # updates a step makes
     self._grad_hook = grad_hook
     self.h2d_bytes = self.peak_bytes = 0
     self.last_plan: StepPlan | None = None  # the last step's (where its checkpoints went)
@@ -166,8 +167,10 @@ class Runtime:
     bad = nonfinite.find_nonfinite(loss, self.host_opt.store.nonfinite_units(),
                                    self.schedule.grad_order)
     if bad is None:
-      self.pipeline.update_all(guard.step)
+      self.pipeline.update_all(guard)
     else:
+      if guard.norm is not None:
+        guard.norm.refuse()
       self.clock.mark(range(self.schedule.n_units), guard.step)
     return bad
 

@@ -8,7 +8,6 @@ finalizer if the trainer is dropped without `close()`).
 
 from __future__ import annotations
 
-import functools
 import time
 import weakref
 from typing import Any, Callable, Iterable
@@ -24,7 +23,7 @@ from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.health import Health
 from megatrain_jax.engine.runtime import shutdown_quietly
 from megatrain_jax.engine.execute import Executor, OpHook, Outcome
-from megatrain_jax.engine.host.gradients import LateNorm
+from megatrain_jax.engine.host.norms import LateNorm, StepNorm
 from megatrain_jax.engine.trainer_state import TrainerState
 from megatrain_jax.models import llama, lora
 from megatrain_jax.models import trainable as trainable_lib
@@ -123,7 +122,6 @@ class StreamingTrainer(TrainerState):
     self._health = Health(self._rt, self.schedule.unit_name)
     self._steps = 0
     self._next_started: memory.StepPlan | None = None  # the plan fetched ahead for
-    self._norm: LateNorm | None = None  # the last step's gradient norm
 
   def step(self, batch: dict[str, Any], key: jax.Array | None = None) -> dict[str, Any]:
     """One optimizer step.
@@ -155,7 +153,8 @@ class StreamingTrainer(TrainerState):
     batch, total, plan = self._prepare(batch, key)
     rt, t0, before = self._rt, time.perf_counter(), self._rt.start_step()
     guard = nonfinite.StepGuard(step=self._steps + 1,
-                                prev=None if rt.defer else self._health.late)
+                                prev=None if rt.defer else self._health.late,
+                                norm=StepNorm(rt.trained_units, self.config.timeout_s))
     try:
       run = self._sweep(batch, total, plan, guard, update=True, key=key)
     except BaseException as e:
@@ -164,11 +163,8 @@ class StreamingTrainer(TrainerState):
     t_end = time.perf_counter()
     self._steps += 1
     rt.end_step(guard.step, before, run.input_bytes, t0, run.t_sweep, t_end)
-    if self._norm is not None:  # its updates are done: this step's forward used them
-      float(self._norm)
-    self._norm = LateNorm(functools.partial(_grad_norm, rt, guard.step))
     out = {"loss": run.loss, "tokens": total, "step_time_s": t_end - t0,
-           "grad_norm": self._norm}
+           "grad_norm": LateNorm(guard.norm)}
     if run.bad is not None:
       rt.pipeline.drop_gradients()
       err = self._health.bad_step(run.bad, guard, skip=self.config.nonfinite == "skip")
@@ -196,6 +192,8 @@ class StreamingTrainer(TrainerState):
     Raises:
       ValueError: a bad batch, or one over the device budget.
       RuntimeError: the trainer is invalid or closed.
+      FloatingPointError: the last step's late updates found a bad value (as `step`
+        would raise).
     """
     self._health.check_usable()
     batch, total, plan = preflight.check_step(
@@ -211,6 +209,10 @@ class StreamingTrainer(TrainerState):
     except BaseException as e:
       self._health.fail(e)
       raise
+    # The last step's late updates are all done now (the pass fetched every unit): a
+    # bad value they found means the pass saw half-updated parameters.
+    self._rt.pipeline.check()
+    self._health.check_late()
     return {"loss": run.loss, "tokens": total}
 
   def _prepare(self, batch, key=None):
@@ -314,10 +316,3 @@ class StreamingTrainer(TrainerState):
     return {"steps": self._steps, "skipped_steps": self._health.skipped,
             **self.templates.stats(rt["device_peak_bytes"]), **rt, "layer_bytes": layer_bytes}
 
-
-def _grad_norm(rt, step: int) -> float:
-  """A step's gradient norm, once its every update is done (a runtime, not the
-  trainer, so that a norm kept by the caller keeps no trainer alive)."""
-  for u in range(rt.schedule.n_units):
-    rt.await_update(u, step + 1)
-  return rt.pipeline.grad_norm(step)

@@ -13,9 +13,9 @@ caller's next wait on it raises that exception. Only callers time out.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
+import weakref
 from typing import Callable, NamedTuple, Sequence
 
 import jax
@@ -49,7 +49,7 @@ class GradJob(NamedTuple):
 
 class UpdateAllJob(NamedTuple):
   """After a deferred sweep whose gradients are all finite: update every unit."""
-  step: int
+  guard: StepGuard
 
 
 class UpdateClock:
@@ -157,35 +157,6 @@ class UpdateClock:
         self._cond.wait(left)
 
 
-class LateNorm:
-  """A step's global gradient norm, known once the step's last update is done.
-
-  `float(x)` (or formatting it) waits for those updates and sums each unit's sum of
-  squares, read by the update as it applied the gradient; the value is then kept.
-  """
-
-  def __init__(self, resolve: Callable[[], float]):
-    """A norm that `resolve()` waits for and computes, once.
-
-    Args:
-      resolve: waits for the step's updates and returns the norm.
-    """
-    self._resolve, self._value = resolve, None
-    self._lock = threading.Lock()
-
-  def __float__(self) -> float:
-    with self._lock:
-      if self._value is None:
-        self._value, self._resolve = float(self._resolve()), None
-      return self._value
-
-  def __format__(self, spec: str) -> str:
-    return format(float(self), spec)
-
-  def __repr__(self) -> str:
-    return repr(float(self))
-
-
 class GradientPipeline:
   """The gradient and optimizer threads, and what they do with each job."""
 
@@ -211,16 +182,19 @@ class GradientPipeline:
     self.transport, self.ledger = transport, ledger
     self.defer, self.timeout_s, self.grad_hook = defer, timeout_s, grad_hook
     self._finite_flags: list[list[jax.Array]] = [[] for _ in host_opt.store.specs]
-    self._sumsq: dict[int, dict[int, jax.Array]] = {}  # step -> unit -> its gradient's
     self.d2h_bytes = 0
     self.d2h_s = 0.0
     self.opt_s = 0.0
     self._changed = threading.Condition()  # an update done, or a thread failed
     self._on_error = on_error
+    self._norms: weakref.WeakSet = weakref.WeakSet()  # the norms of steps under way
 
     def failed():
       with self._changed:
         self._changed.notify_all()
+      error = self.to_host.error or self.optimizer.error
+      for norm in list(self._norms):  # their updates may never come
+        norm.fail(error)
       if on_error is not None:
         on_error()
 
@@ -246,32 +220,18 @@ class GradientPipeline:
     if self.grad_hook is not None:
       grad = self.grad_hook(u, grad)
       finite = jax.numpy.all(jax.numpy.isfinite(grad))
+    if guard.norm is not None:
+      self._norms.add(guard.norm)
     self.d2h_bytes += grad.nbytes
     self.to_host.submit(GradJob(key, u, grad, finite, last, guard), self.timeout_s)
 
-  def update_all(self, step: int) -> None:
+  def update_all(self, guard: StepGuard) -> None:
     """Queues the update of every unit after a deferred sweep.
 
     Args:
-      step: the step being updated.
+      guard: the step being updated.
     """
-    self.optimizer.submit(UpdateAllJob(step), self.timeout_s)
-
-  def grad_norm(self, step: int) -> float:
-    """A step's global gradient norm (before any clip), once its updates are done;
-    forgets the sums of that step and the steps before.
-
-    Args:
-      step: the step, whose every update the caller has awaited.
-
-    Returns:
-      The square root of the sum of every updated unit's sum of squares.
-    """
-    with self._changed:
-      sums = self._sumsq.pop(step, {})
-      for old in [s for s in self._sumsq if s < step]:
-        del self._sumsq[old]
-    return math.sqrt(sum(float(x) for x in sums.values()))
+    self.optimizer.submit(UpdateAllJob(guard), self.timeout_s)
 
   def check(self) -> None:
     """Raises what stopped either thread."""
@@ -338,7 +298,7 @@ class GradientPipeline:
     t0 = time.perf_counter()
     try:
       if isinstance(job, UpdateAllJob):
-        self._update_all(job.step)
+        self._update_all(job.guard)
       elif job.last and not self.defer:
         self._update_now(job)
       else:
@@ -358,32 +318,42 @@ class GradientPipeline:
     try:
       if not guard.admit(u, flags):
         self.host_opt.store.take_gradient(u)  # refused: forgotten
+        if guard.norm is not None:
+          guard.norm.refuse()
         return
       new = self.host_opt.update_unit(u, job.grad, stream=self.store.keep_copy)
       guard.updated.append(u)
-      self._record(guard.step, u)
+      self._record(guard, u)
       # Done before the unit's next fetch is allowed (it reads the result).
       jax.block_until_ready(new if new is not None else self.host_opt.store.parts[u])
       self.store.updated(u, new)
+    except BaseException as e:
+      if guard.norm is not None:
+        guard.norm.fail(e)
+      raise
     finally:
       guard.first_done.set()
       self.clock.mark([u], guard.step)
 
-  def _update_all(self, step: int) -> None:
+  def _update_all(self, guard: StepGuard) -> None:
     def done(u, new):
-      self._record(step, u)
+      self._record(guard, u)
       self.store.updated(u, new)
-      self.clock.mark([u], step)
+      self.clock.mark([u], guard.step)
 
     try:
       self.host_opt.update_all(stream=self.store.keep_copy, on_unit=done)
+    except BaseException as e:
+      if guard.norm is not None:
+        guard.norm.fail(e)
+      raise
     finally:
-      self.clock.mark(range(len(self.host_opt.store.specs)), step)
+      self.clock.mark(range(len(self.host_opt.store.specs)), guard.step)
 
 
-  def _record(self, step: int, u: int) -> None:
-    """Keeps the sum of squares of the gradient the update of `u` just applied."""
+  def _record(self, guard: StepGuard, u: int) -> None:
+    """Adds the sum of squares of the gradient the update of `u` just applied to the
+    step's norm."""
     sumsq = self.host_opt.sumsq.pop(u, None)
-    if sumsq is not None:
-      with self._changed:
-        self._sumsq.setdefault(step, {})[u] = sumsq
+    if sumsq is not None and guard.norm is not None:
+      guard.norm.add(sumsq)

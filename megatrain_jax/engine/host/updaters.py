@@ -17,8 +17,10 @@ the arithmetic, as jitted host calls with the old buffers donated.
 
 Which one a transform gets is `probe.resolve_mode`'s answer; `deferred` says whether
 its updates wait for the whole sweep. Every update also gives the sum of squares of
-the gradient it applied (before any clip), read in the same pass: the step's global
-gradient norm is summed from them.
+the gradient it applied, before any clip (`Updated`), from which the step's global
+gradient norm is summed (`host.norms`): read in the update's own pass by the fused
+AdamW and by Optax's per-unit call; by one small call per unit after the whole-tree
+update.
 """
 
 from __future__ import annotations

@@ -219,8 +219,8 @@ def step_program(s: Schedule, grad_accum: int, *, update: bool = True,
 
 def eval_program(s: Schedule, grad_accum: int) -> StepProgram:
   """The operations of a forward-only pass (an evaluation), in the step's
-  micro-batches: each unit fetched once per micro-batch in forward order, no
-  checkpoint, no backward, no gradient, no update.
+  micro-batches: each unit fetched once per micro-batch in forward order (a tied
+  embedding again for the head), no checkpoint, no backward, no gradient, no update.
 
   Args:
     s: the batch shape's schedule.
