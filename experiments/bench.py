@@ -8,11 +8,13 @@ host_bytes_per_param, lora_over_full_step, host_bytes_per_base_param_lora, and t
 sizes, times and machine behind them.
 `--suite=smoke` runs the same code on tiny sizes in about a minute (no goals).
 `--parts=steps` runs only some parts (steps, link, host_optimizer, host_memory, lora).
-Two profiles run only when named: `templates`, the per-layer calls alone, and
+Profiles run only when named: `templates`, the per-layer calls alone,
 `host_optimizer_profile`, where the host AdamW's time goes (`--opt_slab` sets its
-piece size, `--host_chunk` the in-place loop's chunk in both host-optimizer parts).
-The process restarts once with malloc asking for transparent huge pages (see
-`megatrain_jax/launch.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
+piece size, `--host_chunk` the in-place loop's chunk in both host-optimizer parts),
+`attention`, dense against blockwise attention by sequence length (where
+`attention_block="auto"` switches), `planner` and `scale_out`.
+The process restarts once, before it imports JAX, with malloc asking for transparent
+huge pages (see `megatrain_jax/launch.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """
 
 from megatrain_jax import launch
