@@ -183,8 +183,8 @@ def test_launcher_flags_choose_what_trains():
   tc = TrainConfig(lora_rank=8, lora_targets="v_proj, q_proj", lora_alpha=16)
   assert tc.model_config().lora == lora.LoraConfig(rank=8, alpha=16,  # any order: one config
                                                    targets=("q_proj", "v_proj"))
-  for bad, message in ((dict(freeze="(["), "--freeze"),
-                       (dict(lora_rank=4, lora_targets="qproj"), "--lora_"),
-                       (dict(export_adapter_dir="x"), "--lora_rank")):
+  for bad, message in ((dict(freeze="(["), "--config.freeze"),
+                       (dict(lora_rank=4, lora_targets="qproj"), "--config.lora_"),
+                       (dict(export_adapter_dir="x"), "--config.lora_rank")):
     with pytest.raises(ValueError, match=message):
       TrainConfig(**bad).validate()
