@@ -32,8 +32,8 @@ def _load(path):
 def _commands(path):
   """The `python experiments/train.py ...` lines of a config's docstring."""
   doc = _load(path).__doc__
-  joined = re.sub(r"\\\s*\n\s*", "", doc)  # continued lines
-  return [line.strip() for line in joined.splitlines()
+  joined = re.sub(r"\\\s*\n\s*", " ", doc)  # continued lines
+  return [re.sub(r"\s+", " ", line.strip()) for line in joined.splitlines()
           if line.strip().startswith("python experiments/train.py")]
 
 
@@ -48,7 +48,7 @@ def test_each_config_docstring_gives_the_command_the_readme_shows(path):
   commands = _commands(path)
   assert commands, f"{name}: no command in its docstring"
   readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
-  readme = re.sub(r"\\\s*\n\s*", "", readme)
+  readme = re.sub(r"[ \t]+", " ", re.sub(r"\\\s*\n\s*", " ", readme))
   for command in commands:
     assert command in readme, f"README.md does not show {name}'s command: {command}"
   if not name.endswith("default.py"):

@@ -12,25 +12,40 @@ from megatrain_jax import train as train_lib
 from megatrain_jax.figures import common as figures
 
 
+def train_config(trainer: str, quick: bool = False, out_dir: str = "figures"
+                 ) -> train_lib.TrainConfig:
+  """One curve's run (`experiments/configs/convergence.py` is the streaming one).
+
+  Args:
+    trainer: "streaming" or "resident".
+    quick: 3 steps of 4 x 32 tokens on 20 KB of text instead of 200 steps of 16 x 128
+      tokens on 4 MB.
+    out_dir: where its workdir (`convergence_<trainer>`) goes.
+
+  Returns:
+    The `TrainConfig`.
+  """
+  return train_lib.TrainConfig(workdir=f"{out_dir}/convergence_{trainer}", trainer=trainer,
+                               steps=3 if quick else 200, log_every=1, save_every=0,
+                               batch_size=4 if quick else 16, seq_len=32 if quick else 128,
+                               max_data_bytes=20_000 if quick else 4_000_000, progress=False)
+
+
 def rows(quick: bool, out_dir: str) -> list[dict]:
   """Trains the streaming and the resident engine on the same data and logs every step.
 
   Args:
-    quick: 3 steps of 4 x 32 tokens on 20 KB of text instead of 200 steps of 16 x 128
-      tokens on 4 MB.
-    out_dir: where each run's workdir (`convergence_<engine>`) goes.
+    quick: the small runs of `train_config`.
+    out_dir: where each run's workdir goes.
 
   Returns:
     One row per engine and logged step: source ("measured"), engine, step, loss.
   """
   out = []
   for engine in ("streaming", "resident"):
-    tc = train_lib.TrainConfig(workdir=f"{out_dir}/convergence_{engine}", trainer=engine,
-                               steps=3 if quick else 200, log_every=1, save_every=0,
-                               batch_size=4 if quick else 16, seq_len=32 if quick else 128,
-                               max_data_bytes=20_000 if quick else 4_000_000, progress=False)
+    records = train_lib.run(train_config(engine, quick, out_dir))
     out += [{"source": "measured", "engine": engine, "step": r["step"], "loss": r["loss"]}
-            for r in train_lib.run(tc)]
+            for r in records if "loss" in r]
   return out
 
 
