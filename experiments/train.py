@@ -1,4 +1,4 @@
-"""Trains a Llama-family model, as an experiment's config file says.
+r"""Trains a Llama-family model, as an experiment's config file says.
 
   python experiments/train.py            # the main job: experiments/configs/default.py
   python experiments/train.py --config=experiments/configs/chat.py
@@ -52,7 +52,8 @@ except AttributeError as _e:
   _no_such_field(_e)
 _DESCRIBE = flags.DEFINE_bool("describe", False, "List every field of the config, its "
                               "value and its help, and exit.")
-distributed.define_flags()
+for _name in distributed.define_flags():
+  flags.declare_key_flag(_name)
 
 
 def main(argv):

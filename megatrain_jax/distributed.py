@@ -87,18 +87,24 @@ class DistributedConfig:
 CLUSTER_ENVS = {"SLURM": "SLURM_NTASKS", "Open MPI": "OMPI_COMM_WORLD_SIZE"}
 
 
-def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> list[str]:
   """Defines one absl flag per `DistributedConfig` field (`--coordinator_address`,
-  `--num_processes`, `--process_id`, the timeouts), as a launcher's own flags.
+  `--num_processes`, `--process_id`, the timeouts).
 
   Args:
     flag_values: where to define them.
+
+  Returns:
+    Their names (a launcher passes them to `flags.declare_key_flag`, so that its
+    `--help` lists them).
   """
+  names = []
   for f in dataclasses.fields(DistributedConfig):
     define = flags.DEFINE_string if f.name == "coordinator_address" else flags.DEFINE_integer
     kw = {} if f.name == "coordinator_address" else {"lower_bound": f.metadata.get("low")}
     define(f.name, f.default, f.metadata["help"], flag_values=flag_values, **kw)
-    flags.declare_key_flag(f.name, flag_values=flag_values)
+    names.append(f.name)
+  return names
 
 
 def from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> DistributedConfig:

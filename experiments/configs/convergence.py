@@ -1,4 +1,4 @@
-"""Figure 7's runs: the tiny model on stdlib text, every step logged, no checkpoint.
+r"""Figure 7's runs: the tiny model on stdlib text, every step logged, no checkpoint.
 
   python experiments/train.py --config=experiments/configs/convergence.py
   python experiments/train.py --config=experiments/configs/convergence.py \
