@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import types
 import typing
 from typing import Any
 
@@ -101,9 +102,6 @@ def train_config(config: ml_collections.ConfigDict) -> TrainConfig:
   model = d.get("model", "tiny")
   if isinstance(model, dict):
     d["model"] = _build(LlamaConfig, model, "model.")
-  for name in ("host_memory_limit_bytes",):
-    if isinstance(d.get(name), str):
-      d[name] = _size(name, d[name])
   batch = d.get("batch_size")
   if isinstance(batch, str) and batch != "auto":
     try:
@@ -168,6 +166,6 @@ def _size(name: str, text: str) -> int:
 def _inner(t) -> Any:
   """The type of an annotation, Optional stripped; `object` for unions and `Any`."""
   args = [a for a in typing.get_args(t) if a is not type(None)]
-  if typing.get_origin(t) in (typing.Union, getattr(__import__("types"), "UnionType", ())):
+  if typing.get_origin(t) in (typing.Union, types.UnionType):
     return args[0] if len(args) == 1 else object
   return t if isinstance(t, type) else object

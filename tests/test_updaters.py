@@ -72,8 +72,7 @@ def test_fused_adamw_is_optax_adamw_bit_for_bit_in_any_split():
         flat = jnp.asarray(_flat(spec, g[u]))
         updated = updater.update(spec, store.take(u), flat, None)
         store.put(u, updated.state)
-        # The gradient's sum of squares, read in the update's own pass.
-        np.testing.assert_allclose(updated.sumsq, np.sum(np.square(flat)), rtol=1e-6)
+        assert updated.sumsq is None  # one micro-batch: the device sums it
     for u in range(3):
       np.testing.assert_array_equal(store.master(u), want[u])
     updater.close()
@@ -180,3 +179,21 @@ def test_frozen_elements_have_no_master_state_or_gradient_and_round_trip():
   tree = specs[1].unflatten(np.concatenate([np.asarray(p) for p in store.fetch_parts(1)]))
   np.testing.assert_array_equal(tree["a"], _values(0)[1]["a"])
   opt.close()
+
+
+@pytest.mark.parametrize("make", [lambda: U.FusedAdamW(SHARDING, optim.adamw(1e-2).hyper, 3, 4),
+                                  lambda: U.OptaxUnits(SHARDING, optax.lion(1e-3))],
+                         ids=["fused_adamw", "optax_units"])
+def test_an_update_of_an_accumulated_gradient_reads_its_sum_of_squares(make):
+  # The fused AdamW's chunk loop (and Optax's call) sums the squares of acc + grad,
+  # the gradient the update applies, in the same pass.
+  updater = make()
+  store, specs = _store(updater)
+  for u, spec in enumerate(specs):
+    acc = jnp.asarray(_flat(spec, _values(50 + u)[u]))
+    grad = jnp.asarray(_flat(spec, _values(60 + u)[u]))
+    want = float(np.sum(np.square(np.asarray(acc) + np.asarray(grad))))
+    updated = updater.update(spec, store.take(u), grad, acc)
+    store.put(u, updated.state)
+    np.testing.assert_allclose(float(updated.sumsq), want, rtol=1e-5)
+  updater.close()

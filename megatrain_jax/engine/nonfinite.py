@@ -39,12 +39,13 @@ class StepGuard:
 
     The first call of a step checks the step before (bad after some of its
     updates ran: stop) and this step's loss. Then unit u's gradients must all be
-    finite (`finite_flags`, one per micro-batch, from the device). Once one check
-    fails, no further update of the step runs.
+    finite (`finite_flags`, one per micro-batch, from the device: each gradient's
+    sum of squares, finite when the gradient is). Once one check fails, no further
+    update of the step runs.
 
     Args:
       u: the unit.
-      finite_flags: device bools, one per micro-batch gradient of u.
+      finite_flags: device fp32 scalars, one per micro-batch gradient of u.
 
     Returns:
       True when the update may run.
@@ -56,7 +57,7 @@ class StepGuard:
         self.bad = ("previous", ())
       elif not math.isfinite(sum(float(x) for x in self.loss_parts)):
         self.bad = ("loss", ())
-    if self.bad is None and not all(bool(ok) for ok in finite_flags):
+    if self.bad is None and not all(math.isfinite(float(s)) for s in finite_flags):
       self.bad = ("grads", (u,))
     return self.bad is None
 

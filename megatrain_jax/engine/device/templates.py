@@ -24,16 +24,17 @@ from megatrain_jax.models.lora import layer_keys
 from megatrain_jax.models.loss import head_loss_sum
 
 
-def all_finite(x: jax.Array) -> jax.Array:
-  """Whether every element is finite, computed where `x` lives.
+def sum_squares(x: jax.Array) -> jax.Array:
+  """A gradient's fp32 sum of squares, computed where it lives: the step's norm sums
+  them; the gradient is finite when its sum is (as `ResidentTrainer` checks its norm).
 
   Args:
     x: an array.
 
   Returns:
-    A scalar bool array.
+    A scalar fp32 array.
   """
-  return jnp.all(jnp.isfinite(x))
+  return jnp.sum(jnp.square(x.astype(jnp.float32)))
 
 
 # The largest of byte counts, leaving out the unknown ones (None if none is known).
@@ -109,7 +110,7 @@ class Templates:
         return y, None if stats is None else stats.probs
       _, vjp = jax.vjp(f, flat[:spec.train_size], x)
       g_flat, g_x = vjp((g, g_probs))
-      return g_x, g_flat, all_finite(g_flat)
+      return g_x, g_flat, sum_squares(g_flat)
 
     def block_fwd_keep(flat, x, pos, seg, keys, reuse, spec, window):
       del reuse  # donated: XLA writes the outputs of its shapes into it
@@ -118,7 +119,7 @@ class Templates:
     def block_bwd_kept(flat, x, kept, g, g_probs, pos, seg, keys, spec, window):
       layout = residuals.layout(cfg, spec, window, recompute, flat, x, pos, seg, keys)
       g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
-      return g_x, g_flat, all_finite(g_flat)
+      return g_x, g_flat, sum_squares(g_flat)
 
     def loss(ph, pe, x, labels, mask):  # the head's loss sum from its unit trees
       return head_loss_sum(cfg, ph, pe if tied else None, x, labels, mask, chunk)
@@ -134,7 +135,7 @@ class Templates:
                                  labels, mask)
       loss_sum, vjp = jax.vjp(f, trained(head, flat_h), trained(embed, flat_e), x)
       g_h, g_e, g_x = vjp(scale)
-      return loss_sum, g_x, g_h, g_e, all_finite(g_h)
+      return loss_sum, g_x, g_h, g_e, sum_squares(g_h)
 
     def tail(flat_b, flat_h, flat_e, x, labels, mask, scale, pos, seg, keys, spec, window):
       # The last layer and the head in one vjp: the layer's forward runs once, and
@@ -145,7 +146,7 @@ class Templates:
       loss_sum, vjp = jax.vjp(f, trained(spec, flat_b), trained(head, flat_h),
                               trained(embed, flat_e), x)
       g_b, g_h, g_e, g_x = vjp(scale)
-      return loss_sum, g_x, g_h, g_e, all_finite(g_h), g_b, all_finite(g_b)
+      return loss_sum, g_x, g_h, g_e, sum_squares(g_h), g_b, sum_squares(g_b)
 
     def embed_bwd(ids, g_x, g_e_head):
       v, d = cfg.vocab_size, cfg.d_model
@@ -154,7 +155,7 @@ class Templates:
       g = table.reshape(-1)
       if tied:
         g = g + g_e_head.astype(jnp.float32)
-      return g, all_finite(g)
+      return g, sum_squares(g)
 
     self.embed_fwd = jax.jit(self._counted("embed_fwd", embed_fwd))
     self._block_fwd = jax.jit(self._counted("block_fwd", block_fwd), static_argnums=(5, 6))

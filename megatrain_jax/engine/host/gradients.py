@@ -35,7 +35,8 @@ class GradJob(NamedTuple):
     key: its ledger key, freed once it is on the host.
     unit: the unit index.
     grad: its flat gradient (on the device, then on the host).
-    finite: a device bool from the template: the gradient is all finite.
+    finite: the template's fp32 sum of squares of the gradient (finite when the
+      gradient is; the step's norm when there is one micro-batch).
     last: the step's last micro-batch (update now, in per-unit modes).
     guard: the step's `StepGuard`.
   """
@@ -219,7 +220,7 @@ class GradientPipeline:
     """
     if self.grad_hook is not None:
       grad = self.grad_hook(u, grad)
-      finite = jax.numpy.all(jax.numpy.isfinite(grad))
+      finite = jax.numpy.sum(jax.numpy.square(grad.astype(jax.numpy.float32)))
     if guard.norm is not None:
       self._norms.add(guard.norm)
     self.d2h_bytes += grad.nbytes
@@ -323,7 +324,8 @@ class GradientPipeline:
         return
       new = self.host_opt.update_unit(u, job.grad, stream=self.store.keep_copy)
       guard.updated.append(u)
-      self._record(guard, u)
+      # One micro-batch: the device's sum is the unit's; else the update's, of the sum.
+      self._record(guard, u, flags[0] if len(flags) == 1 else None)
       # Done before the unit's next fetch is allowed (it reads the result).
       jax.block_until_ready(new if new is not None else self.host_opt.store.parts[u])
       self.store.updated(u, new)
@@ -351,9 +353,10 @@ class GradientPipeline:
       self.clock.mark(range(len(self.host_opt.store.specs)), guard.step)
 
 
-  def _record(self, guard: StepGuard, u: int) -> None:
+  def _record(self, guard: StepGuard, u: int, device_sumsq=None) -> None:
     """Adds the sum of squares of the gradient the update of `u` just applied to the
-    step's norm."""
+    step's norm: the device's, or the one the host update read."""
     sumsq = self.host_opt.sumsq.pop(u, None)
+    sumsq = device_sumsq if sumsq is None else sumsq
     if sumsq is not None and guard.norm is not None:
       guard.norm.add(sumsq)

@@ -16,11 +16,12 @@ the arithmetic, as jitted host calls with the old buffers donated.
   WholeTree      anything else: one update over the whole tree after the sweep.
 
 Which one a transform gets is `probe.resolve_mode`'s answer; `deferred` says whether
-its updates wait for the whole sweep. Every update also gives the sum of squares of
-the gradient it applied, before any clip (`Updated`), from which the step's global
-gradient norm is summed (`host.norms`): read in the update's own pass by the fused
-AdamW and by Optax's per-unit call; by one small call per unit after the whole-tree
-update.
+its updates wait for the whole sweep. The step's global gradient norm is summed from
+each unit's gradient's sum of squares, before any clip (`host.norms`): the device's
+(the gradient templates make it) when a step has one micro-batch, else the update's
+(`Updated.sumsq`, read in the fused AdamW's own pass over the summed gradient, or in
+Optax's per-unit call); a sweep after the whole step gives each unit's sum to
+`on_unit`.
 """
 
 from __future__ import annotations
@@ -55,11 +56,11 @@ class Updated(NamedTuple):
 
   Attributes:
     state: the unit's new state.
-    sumsq: the sum of squares of the gradient it applied, before any clip (a host
-      fp32 scalar).
+    sumsq: with an accumulated gradient (`acc`), the sum of squares of the summed
+      gradient it applied, before any clip (a host fp32 scalar); else None.
   """
   state: UnitState
-  sumsq: jax.Array
+  sumsq: jax.Array | None
 
 
 class _Jits:
@@ -162,12 +163,12 @@ class UnitUpdater(abc.ABC):
     """
     self._each(store, grads, on_unit, None)
 
-  def _each(self, store, grads, on_unit, norm) -> None:
+  def _each(self, store, grads, on_unit, norm, sums=None) -> None:
     for u, g in enumerate(grads):
       sumsq = None
-      if g is not None:
-        st, sumsq = self.update(store.trained[u], store.take(u), g, None, norm)
-        store.put(u, st)
+      if g is not None:  # the accumulated gradient, passed whole: its sum apart
+        sumsq = sums[u] if sums is not None else _sumsq(self.jit, g)
+        store.put(u, self.update(store.trained[u], store.take(u), g, None, norm).state)
       on_unit(u, sumsq)
 
   def close(self) -> None:
@@ -242,7 +243,7 @@ class FusedAdamW(UnitUpdater):
         self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "megatrain-adamw")
       results = list(self._pool.map(run, range(len(fns))))
     return Updated(UnitState(tuple(r[0] for r in results), tuple(r[1] for r in results)),
-                   sum(r[2] for r in results))
+                   None if acc is None else sum(r[2] for r in results))
 
   def close(self):
     if self._pool is not None:
@@ -275,9 +276,10 @@ class OptaxUnits(UnitUpdater):
 
     def step(master, state, grad, acc, norm):
       g = grad.astype(jnp.float32)
+      sumsq = None
       if acc is not None:
         g = acc + g
-      sumsq = jnp.sum(jnp.square(g))
+        sumsq = jnp.sum(jnp.square(g))
       if norm is not None:
         g = clip_with_norm(g, norm, max_norm)
       p = spec.unflatten(master)
@@ -330,9 +332,9 @@ class GlobalNormClip(UnitUpdater):
     return self.inner.update(spec, st, grad, acc, norm)
 
   def sweep(self, store, grads, on_unit):
-    sumsq = [_sumsq(self.jit, g) for g in grads if g is not None]
-    norm = self.jit("norm", lambda s: jnp.sqrt(sum(s)))(sumsq)
-    self._each(store, grads, on_unit, norm)
+    sums = [None if g is None else _sumsq(self.jit, g) for g in grads]
+    norm = self.jit("norm", lambda s: jnp.sqrt(sum(s)))([x for x in sums if x is not None])
+    self._each(store, grads, on_unit, norm, sums)
 
   def close(self):
     self.inner.close()
