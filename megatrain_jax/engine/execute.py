@@ -51,7 +51,7 @@ class Micro:
   xs: list = dataclasses.field(default_factory=list)  # a group's inputs in its backward
   router: list = dataclasses.field(default_factory=list)
   g_probs: Any = None
-  grads: dict[int, tuple] = dataclasses.field(default_factory=dict)  # unit -> (grad, finite)
+  grads: dict[int, tuple] = dataclasses.field(default_factory=dict)  # unit -> (grad, its sumsq)
   loss: Any = None
 
 

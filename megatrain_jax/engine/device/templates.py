@@ -53,7 +53,7 @@ class Templates:
     block_bwd(flat_b, x, g, layer, g_probs) -> (g_x, g_flat, finite): the layer's
       forward is recomputed inside; `g_probs` is the gradient of an MoE layer's router
       probability sum (the load-balancing loss's; None for a dense layer);
-      `finite` says whether g_flat is all finite.
+      `finite` is g_flat's `sum_squares` (finite when g_flat is); so in the others.
     block_fwd_keep(flat_b, x, layer, reuse=None) -> (x, stats, kept) and
     block_bwd_kept(flat_b, x, kept, g, layer, g_probs) -> (g_x, g_flat, finite):
       the same with `recompute` "dots" or "none": the forward returns the residuals
@@ -284,8 +284,8 @@ class Templates:
       dropout_keys: as `block_fwd` (its forward's masks).
 
     Returns:
-      (the gradient of its input, of its flat parameters, whether the latter is
-      all finite).
+      (the gradient of its input, of its flat parameters, the latter's
+      `sum_squares`).
     """
     return self._block_bwd(flat, x, g, self._g_probs(layer, g_probs), positions,
                            segment_ids, layer_keys(dropout_keys, layer), *self._kinds[layer])
