@@ -280,9 +280,19 @@ def uninterrupted(tmp_path_factory):
   return {r["step"]: r["loss"] for r in train_lib.run(tc)}
 
 
-def _start(workdir, env_extra=None):
+def _tier_args(workdir, tier):
+  """The disk tier's flags (its state files in the run's own directory), or none."""
+  if tier == "host":
+    return []
+  os.makedirs(os.path.join(workdir, "state"), exist_ok=True)
+  return ["--config.engine.state_tier=disk",
+          f"--config.engine.state_dir={os.path.join(workdir, 'state')}"]
+
+
+def _start(workdir, env_extra=None, tier="host"):
   env = dict(os.environ, **(env_extra or {}))
-  return subprocess.Popen([sys.executable, TRAIN, f"--config.workdir={workdir}", *ARGS], cwd=REPO,
+  return subprocess.Popen([sys.executable, TRAIN, f"--config.workdir={workdir}", *ARGS,
+                           *_tier_args(workdir, tier)], cwd=REPO,
                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                           text=True)
 
@@ -303,8 +313,9 @@ def _logged_steps(workdir):
     return []
 
 
-def _rerun_and_compare(workdir, uninterrupted, resumed_from):
-  r = subprocess.run([sys.executable, TRAIN, f"--config.workdir={workdir}", *ARGS], cwd=REPO,
+def _rerun_and_compare(workdir, uninterrupted, resumed_from, tier="host"):
+  r = subprocess.run([sys.executable, TRAIN, f"--config.workdir={workdir}", *ARGS,
+                      *_tier_args(workdir, tier)], cwd=REPO,
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"Resumed from step {resumed_from} " in r.stderr
@@ -315,9 +326,12 @@ def _rerun_and_compare(workdir, uninterrupted, resumed_from):
   assert not [d for d in os.listdir(os.path.join(workdir, "checkpoints")) if "partial" in d]
 
 
-def test_sigkill_while_saving_then_resume(tmp_path, uninterrupted):
+# The disk tier: the state files of the killed run are left behind (stale) and
+# replaced by the resumed run, which then equals the uninterrupted run in RAM.
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_sigkill_while_saving_then_resume(tmp_path, uninterrupted, tier):
   ckpts = tmp_path / "checkpoints"
-  proc = _start(tmp_path, {ckpt_lib.WRITE_DELAY_ENV: "0.15"})
+  proc = _start(tmp_path, {ckpt_lib.WRITE_DELAY_ENV: "0.15"}, tier)
   try:
     # The save at step 20 starts once the one at step 10 is complete.
     _wait_for(lambda: (ckpts / "step_00000020.partial" / "head").exists(), proc)
@@ -325,10 +339,11 @@ def test_sigkill_while_saving_then_resume(tmp_path, uninterrupted):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
   assert sorted(os.listdir(ckpts)) == ["step_00000010", "step_00000020.partial"]
-  _rerun_and_compare(tmp_path, uninterrupted, resumed_from=10)
+  _rerun_and_compare(tmp_path, uninterrupted, resumed_from=10, tier=tier)
 
 
-def test_sigkill_between_saves_then_resume(tmp_path, uninterrupted):
+@pytest.mark.parametrize("tier", ["host", "disk"])
+def test_sigkill_between_saves_then_resume(tmp_path, uninterrupted, tier):
   ckpts = tmp_path / "checkpoints"
 
   def between_saves():
@@ -336,7 +351,7 @@ def test_sigkill_between_saves_then_resume(tmp_path, uninterrupted):
     return (steps and steps[-1] >= 14 and steps[-1] % 10 >= 4
             and not any("partial" in d for d in os.listdir(ckpts)))
 
-  proc = _start(tmp_path)
+  proc = _start(tmp_path, tier=tier)
   try:
     _wait_for(between_saves, proc)
   finally:
@@ -346,4 +361,4 @@ def test_sigkill_between_saves_then_resume(tmp_path, uninterrupted):
   assert killed_at < 30
   latest = max(int(d.split("_")[1]) for d in os.listdir(ckpts) if "partial" not in d)
   assert latest <= killed_at
-  _rerun_and_compare(tmp_path, uninterrupted, resumed_from=latest)
+  _rerun_and_compare(tmp_path, uninterrupted, resumed_from=latest, tier=tier)

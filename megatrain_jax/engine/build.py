@@ -15,6 +15,7 @@ from megatrain_jax.engine.plan import memory, preflight, sizes
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.engine.host.optimizer import HostOptimizer
+from megatrain_jax.engine.host.disk_store import DiskStore
 from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.probe import FAST_PATH, resolve_for_config
 from megatrain_jax.engine.runtime import Runtime
@@ -109,15 +110,21 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                      f"head), got {len(specs)}.")
   keep = sizes.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
   updater = resolution.make(transport.host_device, ec.host_threads, ec.host_chunk)
-  store = HostStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name)
+  if ec.state_tier == "disk":
+    store = DiskStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name,
+                      ec.state_dir, depth=ec.state_in_flight)
+  else:
+    store = HostStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name)
   host_opt = HostOptimizer(store, updater, jnp.dtype(ec.compute_dtype),
                            transport.stream_sharding())
   n, frozen = sum(s.size for s in specs), sum(s.frozen_size for s in specs)
   logging.info("StreamingTrainer: %d units, %.1fM parameters%s, optimizer %s%s, compute %s, "
-               "streaming copies %s.", len(specs), n / 1e6,
+               "streaming copies %s%s.", len(specs), n / 1e6,
                f" ({frozen / 1e6:.1f}M frozen, in {ec.frozen_dtype_name})" if frozen else "",
                updater.mode, updater.describe(), ec.dtype_name,
-               "kept" if keep else "made at each fetch")
+               "kept" if keep else "made at each fetch",
+               f", state on disk in {ec.state_dir} ({store.disk_bytes() / 2**30:.2f} GiB)"
+               if ec.state_tier == "disk" else "")
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)
   return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)

@@ -17,6 +17,8 @@ OPTIMIZER_MODES = ("auto", "per_unit", "whole_tree")
 NONFINITE_POLICIES = ("raise", "skip")
 STREAM_COPIES = ("auto", "keep", "on_fetch")
 ACTIVATIONS = ("auto", "device", "host")
+# Where each unit's fp32 master and optimizer state live (`engine.host.disk_store`).
+STATE_TIERS = ("host", "disk")
 # What a layer's backward recomputes (`engine.residuals`): its whole forward, all but
 # the matmul outputs, or nothing.
 RECOMPUTE = ("full", "dots", "none")
@@ -155,6 +157,17 @@ class EngineConfig:
       None, "Dtype the frozen parameters (`trainable=`) are kept in on the host: they "
       "have no fp32 master, no optimizer state and no gradient (None: the compute "
       "dtype; float32 for exact fp32 work).", choices=tuple(DTYPES))
+  state_tier: str = _field(
+      "host", "Where each unit's fp32 master and optimizer state live: host (RAM) or "
+      "disk (a file per unit under state_dir, read ahead of its update and written "
+      "back behind it; RAM keeps the compute-dtype copies, the gradient accumulators "
+      "and a few units' state in flight).", choices=STATE_TIERS)
+  state_dir: str | None = _field(
+      None, "With state_tier=disk: the directory for the state files, on a fast disk "
+      "(several, comma-separated, to stripe over drives). Each run needs its own.")
+  state_in_flight: int = _field(
+      2, "With state_tier=disk: units whose state is read ahead of their update, and "
+      "units written behind, at most.", low=1)
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "
@@ -178,6 +191,14 @@ class EngineConfig:
       if meta.get("positive") and (isinstance(value, bool)
                                    or not isinstance(value, (int, float)) or value <= 0):
         raise ValueError(f"EngineConfig.{f.name} must be a positive number, got {value!r}.")
+    if self.state_tier == "disk":
+      if not self.state_dir:
+        raise ValueError("EngineConfig(state_tier='disk') needs state_dir: a directory on "
+                         "a fast disk for the optimizer state files.")
+      if self.stream_copy == "on_fetch":
+        raise ValueError("stream_copy='on_fetch' casts each fetch from the fp32 master, "
+                         "which state_tier='disk' keeps on disk: use stream_copy='keep' "
+                         "or 'auto' (the compute-dtype copies stay in RAM).")
     if self.recompute != "full" and self.checkpoint_every != 1:
       raise ValueError(f"EngineConfig.recompute={self.recompute!r} keeps every layer's "
                        f"residuals, so checkpoint_every={self.checkpoint_every} groups "

@@ -145,3 +145,19 @@ class FlatSpec:
                frozen[off - self.train_size:off - self.train_size + n]).reshape(shape)
               for off, n, shape, t in zip(self.offsets, self.sizes, self.shapes, self.trains)]
     return self.treedef.unflatten(leaves)
+
+
+def split_master(master, spec: FlatSpec) -> tuple[Any, Any]:
+  """A unit's initial values as (trained fp32 elements, frozen elements or None).
+
+  Args:
+    master: its flat vector, or its (trained, frozen) pair (`FlatSpec.split_np`).
+    spec: its layout.
+
+  Returns:
+    The pair.
+  """
+  if isinstance(master, tuple):
+    return master
+  flat = np.asarray(master)
+  return flat, (flat[spec.train_size:] if spec.frozen_size else None)

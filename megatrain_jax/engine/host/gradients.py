@@ -327,7 +327,7 @@ class GradientPipeline:
       # One micro-batch: the device's sum is the unit's; else the update's, of the sum.
       self._record(guard, u, flags[0] if len(flags) == 1 else None)
       # Done before the unit's next fetch is allowed (it reads the result).
-      jax.block_until_ready(new if new is not None else self.host_opt.store.parts[u])
+      jax.block_until_ready(new if new is not None else self.host_opt.store.fetch_parts(u))
       self.store.updated(u, new)
     except BaseException as e:
       if guard.norm is not None:

@@ -153,5 +153,11 @@ class HostOptimizer:
     return self._casts[key](parts)
 
   def close(self) -> None:
-    """Stops the update threads (a later update starts them again). Idempotent."""
+    """Stops the update threads (a later update starts them again) and lets the store's
+    pending writes finish. Idempotent.
+
+    Raises:
+      What a pending write of the store met.
+    """
     self.updater.close()
+    self.store.close()

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.engine.host.flat import FlatSpec
+from megatrain_jax.engine.host.flat import FlatSpec, split_master
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
 
 SHARED = "optimizer"  # the checkpoint part of a whole-tree transform's state
@@ -36,6 +36,7 @@ class StateStore(abc.ABC):
   """
   specs: list[FlatSpec]
   trained: list[FlatSpec]
+  tier = "host"
 
   @abc.abstractmethod
   def take(self, u: int) -> UnitState:
@@ -93,6 +94,17 @@ class StateStore(abc.ABC):
       The fp32 sum, or None.
     """
 
+  def close(self) -> None:
+    """Lets pending writes finish and frees what the store holds outside RAM."""
+
+  def io_stats(self) -> dict[str, Any] | None:
+    """What the store read and wrote outside RAM.
+
+    Returns:
+      Counters by name, or None for a store in RAM.
+    """
+    return None
+
   @abc.abstractmethod
   def fetch_parts(self, u: int) -> tuple[jax.Array, ...]:
     """What a fetch casts into a unit's compute-dtype copy: its master's parts, then
@@ -131,11 +143,7 @@ class HostStore(StateStore):
     self.parts: list[tuple[jax.Array, ...]] = []
     self.frozen: list[jax.Array | None] = []
     for u, (spec, bounds) in enumerate(zip(self.specs, self.bounds)):
-      if isinstance(masters[u], tuple):  # (trained, frozen), as `FlatSpec.split_np`
-        flat, frozen = masters[u]
-      else:
-        flat = np.asarray(masters[u])
-        frozen = flat[spec.train_size:] if spec.frozen_size else None
+      flat, frozen = split_master(masters[u], spec)
       self.parts.append(tuple(self._put(flat[lo:hi], np.float32) for lo, hi in bounds))
       self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
       if isinstance(masters, list):
@@ -172,10 +180,22 @@ class HostStore(StateStore):
 
   def take(self, u):
     self._donating([u])
-    return UnitState(self.parts[u], self.states[u])
+    return self._get(u)
 
   def put(self, u, st):
+    self._set(u, st)
+
+  def _get(self, u: int) -> UnitState:
+    """A unit's current state (its buffers, not copies)."""
+    return UnitState(self.parts[u], self.states[u])
+
+  def _set(self, u: int, st: UnitState) -> None:
+    """Makes `st` a unit's current state."""
     self.parts[u], self.states[u] = st.master, st.opt
+
+  def _abstract(self, u: int) -> UnitState:
+    """A unit's state's shapes and dtypes (its arrays, or stand-ins with them)."""
+    return self._get(u)
 
   def take_shared(self):
     self._donating([SHARED])
@@ -225,7 +245,7 @@ class HostStore(StateStore):
     Returns:
       A numpy vector in the unit's flat layout.
     """
-    parts = [np.asarray(p) for p in self.parts[u]]
+    parts = [np.asarray(p) for p in self._get(u).master]
     if self.frozen[u] is not None:
       parts.append(np.asarray(self.frozen[u], np.float32))
     return np.concatenate(parts) if parts else np.zeros(0, np.float32)
@@ -270,8 +290,9 @@ class HostStore(StateStore):
     names: list[Any] = list(range(len(self.specs)))
     return names + [SHARED] if self.shared is not None else names
 
-  def _joined(self, u: int, join: Callable) -> list[Any]:
-    per_part = [jax.tree.leaves(s) for s in self.states[u]]
+  @staticmethod
+  def _joined(opt: tuple[Any, ...], join: Callable) -> list[Any]:
+    per_part = [jax.tree.leaves(s) for s in opt]
     return [join(list(xs)) for xs in zip(*per_part)]
 
   def copy_state(self, name) -> dict[str, np.ndarray]:
@@ -288,11 +309,12 @@ class HostStore(StateStore):
     if name == SHARED:
       return {f"state_{i:03d}": np.array(x)
               for i, x in enumerate(jax.tree.leaves(self.shared))}
-    parts = [np.asarray(p) for p in self.parts[name]]
+    st = self._get(name)
+    parts = [np.asarray(p) for p in st.master]
     out = {"master": np.concatenate(parts) if parts else np.zeros(0, np.float32)}
     join = lambda xs: (np.concatenate([np.asarray(x) for x in xs])
                        if len(xs) > 1 and np.ndim(xs[0]) else np.array(xs[0]))
-    for i, x in enumerate(self._joined(name, join)):
+    for i, x in enumerate(self._joined(st.opt, join)):
       out[f"state_{i:03d}"] = x
     if self.frozen[name] is not None:  # never donated nor changed: a view, not a copy
       out["frozen"] = np.asarray(self.frozen[name])
@@ -313,7 +335,7 @@ class HostStore(StateStore):
     out = {"master": ((self.specs[name].train_size,), "float32")}
     join = lambda xs: ((sum(x.shape[0] for x in xs),) if len(xs) > 1 and xs[0].ndim
                        else tuple(xs[0].shape), str(xs[0].dtype))
-    for i, x in enumerate(self._joined(name, join)):
+    for i, x in enumerate(self._joined(self._abstract(name).opt, join)):
       out[f"state_{i:03d}"] = x
     if self.frozen[name] is not None:
       out["frozen"] = (tuple(self.frozen[name].shape), str(self.frozen[name].dtype))
@@ -337,14 +359,14 @@ class HostStore(StateStore):
     bounds = self.bounds[name]
     # A part's share of a joined array (count scalars are the same in every part).
     share = lambda a, lo, hi: np.asarray(a)[lo:hi] if len(bounds) > 1 and np.ndim(a) else a
-    self.parts[name] = tuple(self._put(share(arrays["master"], lo, hi), np.float32)
-                             for lo, hi in bounds)
+    old = self._abstract(name)
     states = []
-    for j, (lo, hi) in enumerate(bounds if self.states[name] else ()):  # () whole-tree
-      leaves, treedef = jax.tree.flatten(self.states[name][j])
+    for j, (lo, hi) in enumerate(bounds if old.opt else ()):  # () whole-tree
+      leaves, treedef = jax.tree.flatten(old.opt[j])
       states.append(treedef.unflatten([self._put(share(arrays[f"state_{i:03d}"], lo, hi),
                                                  x.dtype) for i, x in enumerate(leaves)]))
-    self.states[name] = tuple(states)
+    self._set(name, UnitState(tuple(self._put(share(arrays["master"], lo, hi), np.float32)
+                                    for lo, hi in bounds), tuple(states)))
     if self.frozen[name] is not None and "frozen" in arrays:  # else: the base as loaded
       self.frozen[name] = self._put(arrays["frozen"], self.frozen[name].dtype)
       self._frozen_sums[name] = None

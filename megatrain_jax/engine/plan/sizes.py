@@ -111,6 +111,8 @@ def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
   Returns:
     The answer.
   """
+  if ec.state_tier == "disk":  # the fp32 masters are on disk: fetches read the copies
+    return True
   if ec.stream_copy != "auto":
     return ec.stream_copy == "keep"
   return not (on_cpu_backend() if on_cpu is None else on_cpu)

@@ -1,0 +1,399 @@
+"""Unit state files: each unit's fp32 master and optimizer state in one file on disk.
+
+A file is a header page, then the unit's arrays, each starting on a page boundary:
+
+  page 0   magic, format version, the run's token, the unit, the write's generation,
+           the data's length, and the CRC-32 of its first leaves (the master) and
+           of all of it
+  page 1.. the master's parts, then each part's optimizer state leaves
+
+The header is written after the data, so a write that did not finish (the process
+killed, the disk full) leaves a header that does not match: a read checks the
+magic, the token (a file of another run is never taken for this one's), the unit,
+the generation (a lost write is never taken for the current state), the file's size
+and the CRC of the data, and names the path when any of them is wrong.
+
+I/O is direct (`O_DIRECT`) where the file system allows it, so the page cache
+neither serves a read falsely fast nor hides the RAM a read or write uses; data
+passes through page-aligned buffers. Where it does not (tmpfs, some network file
+systems), the files are read and written through the cache and each file's pages
+are dropped after use (`posix_fadvise`).
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import glob
+import mmap
+import os
+import shutil
+import struct
+import zlib
+from typing import Iterable, NamedTuple, Sequence
+
+import numpy as np
+from absl import logging
+
+PAGE = 4096
+MAGIC = b"MTJXUNIT"
+VERSION = 1
+# magic, version, token, unit, generation, data bytes, head bytes, head crc, crc
+_HEADER = struct.Struct("<8sI16sqqqqII")
+CHUNK = 8 << 20  # bytes per read or write call
+LOCK_NAME = "megatrain_state.lock"
+FILE_PATTERN = "unit_{:05d}.mtstate"
+
+
+class DiskStateError(OSError):
+  """A unit's state file could not be written, or what was read is not its state."""
+
+
+def round_up(n: int, to: int = PAGE) -> int:
+  """`n` rounded up to a multiple of `to`.
+
+  Args:
+    n: bytes.
+    to: the multiple.
+
+  Returns:
+    The rounded bytes.
+  """
+  return -(-n // to) * to
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+  """A page-aligned byte buffer of its own anonymous mapping (freed with it).
+
+  Args:
+    nbytes: its size (rounded up to whole pages).
+
+  Returns:
+    A writable uint8 array.
+  """
+  return np.frombuffer(mmap.mmap(-1, max(PAGE, round_up(nbytes))), np.uint8)
+
+
+class Leaf(NamedTuple):
+  """Where one array of a unit's state sits in its file.
+
+  Attributes:
+    offset: bytes from the start of the data (a whole number of pages).
+    shape: its shape.
+    dtype: its dtype's name.
+  """
+  offset: int
+  shape: tuple[int, ...]
+  dtype: str
+
+  @property
+  def nbytes(self) -> int:
+    """The array's bytes."""
+    return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+
+class FileLayout(NamedTuple):
+  """The arrays of one unit's file, in order, and the data's padded length.
+
+  Attributes:
+    leaves: each array's place.
+    data_bytes: bytes after the header page (a whole number of pages).
+  """
+  leaves: tuple[Leaf, ...]
+  data_bytes: int
+
+  @classmethod
+  def of(cls, arrays: Iterable[tuple[tuple[int, ...], str]]) -> "FileLayout":
+    """The layout of arrays of these shapes and dtypes, one after another.
+
+    Args:
+      arrays: (shape, dtype name) of each.
+
+    Returns:
+      The layout.
+    """
+    leaves, at = [], 0
+    for shape, dtype in arrays:
+      leaf = Leaf(at, tuple(int(d) for d in shape), str(np.dtype(dtype)))
+      leaves.append(leaf)
+      at += round_up(leaf.nbytes)
+    return cls(tuple(leaves), at)
+
+  @property
+  def file_bytes(self) -> int:
+    """The file's size: the header page and the data."""
+    return PAGE + self.data_bytes
+
+  def views(self, data: np.ndarray) -> list[np.ndarray]:
+    """The arrays, as views of a buffer holding the data.
+
+    Args:
+      data: the data bytes (uint8).
+
+    Returns:
+      One array per leaf, sharing `data`'s memory.
+    """
+    return [np.frombuffer(data, leaf.dtype, int(np.prod(leaf.shape, dtype=np.int64)),
+                          leaf.offset).reshape(leaf.shape)
+            for leaf in self.leaves if leaf.offset + leaf.nbytes <= data.size]
+
+
+class UnitFile:
+  """One unit's state file: written whole, read whole, checked on every read."""
+
+  def __init__(self, path: str, unit: int, token: bytes, layout: FileLayout):
+    """Opens (creating or truncating) the file, direct I/O where allowed.
+
+    Args:
+      path: the file.
+      unit: the unit it holds.
+      token: this run's 16 bytes (a file of another run never reads as valid).
+      layout: its arrays.
+
+    Raises:
+      DiskStateError: the file cannot be opened for writing.
+    """
+    self.path, self.unit, self.token, self.layout = path, unit, token, layout
+    flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | getattr(os, "O_CLOEXEC", 0)
+    self.direct = hasattr(os, "O_DIRECT")
+    try:
+      try:
+        self.fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+      except OSError as e:
+        if not self.direct or e.errno != errno.EINVAL:
+          raise
+        self.direct = False  # the file system refuses direct I/O: through the cache
+        self.fd = os.open(path, flags, 0o600)
+    except OSError as e:
+      raise DiskStateError(e.errno, f"Cannot create the state file {path}: {e.strerror}. "
+                           "state_dir must be a writable directory.") from e
+
+  def write(self, arrays: Sequence[np.ndarray], generation: int, bounce: np.ndarray,
+            head: int = 0) -> None:
+    """Writes the unit's arrays, then the header that makes them valid.
+
+    Args:
+      arrays: one per leaf of the layout (any alignment; C-contiguous).
+      generation: this write's number (a read expects it).
+      bounce: a page-aligned buffer of whole pages the data passes through.
+      head: the first leaves a read may ask for alone (`read(head=...)`).
+
+    Raises:
+      DiskStateError: the write failed (the disk is full, or an I/O error).
+    """
+    crc, at, fill = 0, PAGE, 0
+    head_bytes = sum(round_up(leaf.nbytes) for leaf in self.layout.leaves[:head])
+    head_crc = 0
+
+    def flush(n):
+      nonlocal crc, at
+      view = bounce[:n]
+      crc = zlib.crc32(view, crc)
+      self._pwrite(view, at)
+      at += n
+
+    for i, (leaf, a) in enumerate(zip(self.layout.leaves, arrays)):
+      if i == head:  # the head's CRC: the data's so far
+        if fill:
+          flush(fill)
+          fill = 0
+        head_crc = crc
+      src = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+      pos, end = 0, round_up(leaf.nbytes)
+      while pos < end:
+        n = min(end - pos, bounce.size - fill)
+        real = max(0, min(n, src.size - pos))
+        bounce[fill:fill + real] = src[pos:pos + real]
+        bounce[fill + real:fill + n] = 0
+        fill, pos = fill + n, pos + n
+        if fill == bounce.size:
+          flush(fill)
+          fill = 0
+    if fill:
+      flush(fill)
+    if head >= len(arrays):
+      head_crc = crc
+    page = aligned_buffer(PAGE)
+    page[:_HEADER.size] = np.frombuffer(_HEADER.pack(
+        MAGIC, VERSION, self.token, self.unit, generation, self.layout.data_bytes,
+        head_bytes, head_crc, crc), np.uint8)
+    self._pwrite(page, 0)
+    if not self.direct:
+      os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+  def read(self, generation: int, head: int | None = None) -> list[np.ndarray]:
+    """Reads the unit's arrays and checks them against the header.
+
+    Args:
+      generation: the write the caller expects to find.
+      head: read only the first leaves, as many as the write's `head` (None: all).
+
+    Returns:
+      The arrays, views of one fresh page-aligned buffer.
+
+    Raises:
+      DiskStateError: the file is short, of another run or unit, from another
+        write, or its data does not match its CRC.
+    """
+    size = os.fstat(self.fd).st_size
+    if size != self.layout.file_bytes:
+      self._bad(f"it has {size} bytes where the state takes {self.layout.file_bytes} "
+                "(truncated or replaced)")
+    page = aligned_buffer(PAGE)
+    self._pread(page, 0)
+    magic, version, token, unit, gen, nbytes, head_bytes, head_crc, crc = _HEADER.unpack(
+        page[:_HEADER.size].tobytes())
+    if magic != MAGIC or version != VERSION:
+      self._bad("it does not start with a unit state header")
+    if token != self.token:
+      self._bad("it was written by another run (stale)")
+    if unit != self.unit or nbytes != self.layout.data_bytes:
+      self._bad(f"it holds unit {unit} ({nbytes} bytes), not unit {self.unit}")
+    if gen != generation:
+      self._bad(f"it holds write {gen} of this unit's state, not write {generation} "
+                "(a write was lost)")
+    size = self.layout.data_bytes if head is None else head_bytes
+    data = aligned_buffer(size)
+    for at in range(0, size, CHUNK):
+      self._pread(data[at:min(at + CHUNK, size)], PAGE + at)
+    if zlib.crc32(data[:size]) != (crc if head is None else head_crc):
+      self._bad("its data does not match its checksum (modified or corrupted)")
+    if not self.direct:
+      os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    views = self.layout.views(data)
+    return views if head is None else views[:head]
+
+  def _bad(self, why: str):
+    raise DiskStateError(errno.EIO, f"The state file {self.path} of unit {self.unit} cannot "
+                         f"be used: {why}. Nothing was updated from it; resume from the "
+                         "last checkpoint.")
+
+  def _pwrite(self, view: np.ndarray, at: int) -> None:
+    try:
+      done = 0
+      while done < view.size:
+        done += os.pwritev(self.fd, [view[done:]], at + done)
+    except OSError as e:
+      hint = (" The disk is full: free space on it or name a larger state_dir."
+              if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "")
+      raise DiskStateError(e.errno, f"Writing the state of unit {self.unit} to {self.path} "
+                           f"failed: {e.strerror}.{hint} The last checkpoint is intact.") \
+          from e
+
+  def _pread(self, view: np.ndarray, at: int) -> None:
+    done = 0
+    while done < view.size:
+      try:
+        n = os.preadv(self.fd, [view[done:]], at + done)
+      except OSError as e:
+        raise DiskStateError(e.errno, f"Reading the state of unit {self.unit} from "
+                             f"{self.path} failed: {e.strerror}.") from e
+      if n == 0:
+        self._bad("it ended early (truncated)")
+      done += n
+
+  def close(self, remove: bool = True) -> None:
+    """Closes the file, and removes it (it is a run's working state, not a checkpoint).
+
+    Args:
+      remove: delete the file.
+    """
+    if self.fd is not None:
+      os.close(self.fd)
+      self.fd = None
+      if remove:
+        try:
+          os.unlink(self.path)
+        except FileNotFoundError:
+          pass
+
+
+def state_dirs(state_dir: str | Sequence[str]) -> list[str]:
+  """The directories of `EngineConfig.state_dir` ("a" or "a,b" or a list).
+
+  Args:
+    state_dir: one directory, several joined by commas, or a sequence.
+
+  Returns:
+    The directories, in order.
+
+  Raises:
+    ValueError: none given.
+  """
+  dirs = state_dir.split(",") if isinstance(state_dir, str) else list(state_dir)
+  dirs = [os.path.abspath(os.path.expanduser(d.strip())) for d in dirs if d and d.strip()]
+  if not dirs:
+    raise ValueError("state_tier='disk' needs state_dir: a directory on a fast disk "
+                     "(several, comma-separated, to stripe over drives).")
+  return dirs
+
+
+def check_space(dirs: Sequence[str], need: Sequence[int]) -> None:
+  """Refuses directories that are missing, not writable, or too small for their files.
+
+  Args:
+    dirs: the state directories.
+    need: bytes each will hold.
+
+  Raises:
+    DiskStateError: what is wrong, naming the directory and the bytes.
+  """
+  for d, n in zip(dirs, need):
+    if not os.path.isdir(d):
+      raise DiskStateError(2, f"The state directory {d} does not exist: create it, or "
+                           "set state_dir to a directory on a fast disk.")
+    if not os.access(d, os.W_OK | os.X_OK):
+      raise DiskStateError(13, f"The state directory {d} is not writable: set state_dir "
+                           "to a directory this process may write.")
+    # Files of an earlier run in it are replaced, so their bytes count as free.
+    old = sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "unit_*.mtstate")))
+    free = shutil.disk_usage(d).free + old
+    if n > free:
+      raise DiskStateError(28, f"The state directory {d} needs {n / 2**30:.2f} GiB for "
+                           f"the optimizer state and has {free / 2**30:.2f} GiB free. Free "
+                           "space, or name more directories (comma-separated) to stripe "
+                           "over.")
+
+
+def lock_dir(d: str) -> int:
+  """Takes a state directory for this process (an exclusive `flock` on a file in it).
+
+  Args:
+    d: the directory.
+
+  Returns:
+    The lock's file descriptor (closing it releases the directory).
+
+  Raises:
+    DiskStateError: the directory is not writable, or another process holds it.
+  """
+  try:
+    fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+  except OSError as e:
+    raise DiskStateError(e.errno, f"The state directory {d} is not writable "
+                         f"({e.strerror}): set state_dir to a directory this process "
+                         "may write.") from e
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    os.close(fd)
+    raise DiskStateError(e.errno, f"The state directory {d} is in use by another "
+                         "training process: give each run its own state_dir.") from e
+  stale = glob.glob(os.path.join(d, "unit_*.mtstate"))
+  if stale:
+    logging.info("Disk tier: %d state files of an earlier run in %s are replaced.",
+                 len(stale), d)
+  return fd
+
+
+def remove_files(files: list[UnitFile], locks: list[int]) -> None:
+  """Removes a closed store's files and releases its directories.
+
+  Args:
+    files: the unit files.
+    locks: the directories' lock descriptors.
+  """
+  for f in files:
+    f.close(remove=True)
+  for fd in locks:
+    os.close(fd)

@@ -1,0 +1,397 @@
+"""The disk tier: each unit's fp32 master and optimizer state in files, read ahead of
+its update and written back behind it (`EngineConfig(state_tier="disk")`).
+
+Host RAM keeps the compute-dtype streaming copies (which every fetch reads), the
+frozen elements, the gradient accumulators (4 bytes per trained parameter while a
+step has more micro-batches to go), a whole-tree transform's own state, and the
+states of at most `depth` units being read and `depth` being written. Each unit's
+state is a file (`host.disk`), in the state directories in turn (striped).
+
+An update takes its unit's state when its gradient is on the host. Reads run ahead
+in the order the updates came in the last step (the backward's: head first, the
+embedding last; before the first step, that order is assumed), `depth` units ahead,
+on I/O threads, so the disk works while the accelerator computes; a write starts as
+soon as an update puts the new state back, and an update waits only when `depth`
+writes are still going. A unit whose read was not ahead of its update (a different
+order) is read then, and counted (`misses`).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import threading
+import time
+import weakref
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, UnitFile, \
+    aligned_buffer, check_space, lock_dir, remove_files, state_dirs
+from megatrain_jax.engine.host.flat import FlatSpec, split_master
+from megatrain_jax.engine.host.store import HostStore
+from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
+
+class DiskStore(HostStore):
+  """Every unit's master and optimizer state in its own file, `depth` units in RAM."""
+  tier = "disk"
+
+  def __init__(self, updater: UnitUpdater, specs: Sequence[FlatSpec], masters: list[Any],
+               host_device: jax.Device, frozen_dtype, state_dir: str | Sequence[str],
+               depth: int = 2, io_threads: int = 4):
+    """Writes every unit's initial state to its file, one unit in RAM at a time.
+
+    Args:
+      updater: how the units update.
+      specs: each unit's full layout.
+      masters: as `HostStore`'s (the list is emptied as units are written).
+      host_device: the CPU device.
+      frozen_dtype: the dtype frozen elements are kept in (in RAM).
+      state_dir: the directories (`state_dirs`).
+      depth: units read ahead, and units written behind, at most.
+      io_threads: threads reading and writing.
+
+    Raises:
+      DiskStateError: a directory is missing, read-only, too small or in use.
+    """
+    self.updater = updater
+    self.specs = list(specs)
+    self.trained = [s.trained() for s in self.specs]
+    self.sharding = jax.sharding.SingleDeviceSharding(host_device)
+    self.bounds = [updater.bounds(s.train_size) for s in self.specs]
+    self._before_donate = None
+    self._jits = {}
+    self.depth, self.dirs = depth, state_dirs(state_dir)
+    self.accum = [None] * len(self.specs)
+    self.frozen = []
+    self._frozen_sums = [None] * len(self.specs)
+    n = len(self.specs)
+    self._templates = [self._template(u) for u in range(n)]
+    self.layouts = [FileLayout.of((x.shape, x.dtype) for x in self._leaves(t))
+                    for t in self._templates]
+    need = [0] * len(self.dirs)
+    for u, lay in enumerate(self.layouts):
+      need[u % len(self.dirs)] += lay.file_bytes
+    check_space(self.dirs, need)
+    self._locks = [lock_dir(d) for d in self.dirs]
+    self._files = [UnitFile(os.path.join(self.dirs[u % len(self.dirs)], FILE_PATTERN.format(u)),
+                            u, os.urandom(16), self.layouts[u]) for u in range(n)]
+    self._finalizer = weakref.finalize(self, remove_files, self._files, self._locks)
+    self._gen = [0] * n
+    self._cv = threading.Condition()
+    self._ready: dict[int, UnitState] = {}  # in RAM and current
+    self._reads: dict[int, concurrent.futures.Future] = {}
+    self._writes: dict[int, concurrent.futures.Future] = {}
+    self._taken: set[int] = set()  # in an update: their files are about to be replaced
+    self._uncopied: set[int] = set()  # put, their streaming copy not yet cast from RAM
+    self._bounces: list[np.ndarray] = []
+    self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk")
+    self._order = list(range(n - 1, -1, -1))  # updates come head first
+    self._seen: list[int] = []
+    self._n_trained = sum(1 for t in self.trained if t.size)
+    self._failed: BaseException | None = None
+    self.misses, self.read_bytes, self.write_bytes, self.io_s = 0, 0, 0, 0.0
+    whole = updater.mode == "whole_tree"
+    kept = []
+    for u in range(n):
+      flat, frozen = split_master(masters[u], self.specs[u])
+      parts = tuple(self._put(flat[lo:hi], np.float32) for lo, hi in self.bounds[u])
+      self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
+      masters[u] = None
+      self._write_now(u, UnitState(parts, updater.init(self.trained[u], parts)))
+      kept.append(parts[0] if whole else None)
+    # A whole-tree transform's state is the tree's, made from every master at once.
+    self.shared = updater.init_shared(self.trained, kept) if whole else None
+    del kept
+
+  # -- layout --------------------------------------------------------------------
+
+  def _template(self, u: int) -> UnitState:
+    """The shapes and dtypes of a unit's state, without making it."""
+    parts = tuple(jax.ShapeDtypeStruct((hi - lo,), np.float32) for lo, hi in self.bounds[u])
+    opt = jax.eval_shape(lambda *ps: self.updater.init(self.trained[u], ps), *parts)
+    return UnitState(parts, tuple(opt))
+
+  @staticmethod
+  def _leaves(st: UnitState) -> list[Any]:
+    return [*st.master, *jax.tree.leaves(st.opt)]
+
+  def _abstract(self, u):
+    return self._templates[u]
+
+  def _from_leaves(self, u: int, arrays: Sequence[Any]) -> UnitState:
+    t = self._templates[u]
+    k = len(t.master)
+    leaves, treedef = jax.tree.flatten(t.opt)
+    put = lambda a: jax.device_put(a, self.sharding)  # zero-copy: the read's buffer
+    return UnitState(tuple(put(a) for a in arrays[:k]),
+                     treedef.unflatten([put(a) for a in arrays[k:k + len(leaves)]]))
+
+  # -- I/O -----------------------------------------------------------------------
+
+  def _bounce(self) -> np.ndarray:
+    with self._cv:
+      return self._bounces.pop() if self._bounces else aligned_buffer(CHUNK)
+
+  def _write_now(self, u: int, st: UnitState) -> None:
+    self._gen[u] += 1
+    self.write_bytes += self.layouts[u].file_bytes
+    self._write(u, st, self._gen[u])
+
+  def _write(self, u: int, st: UnitState, gen: int) -> None:
+    t0, bounce = time.perf_counter(), self._bounce()
+    try:
+      self._files[u].write([np.asarray(x) for x in self._leaves(st)], gen, bounce,
+                           head=len(st.master))
+    finally:
+      with self._cv:
+        self._bounces.append(bounce)
+        self.io_s += time.perf_counter() - t0
+
+  def _file(self, u: int) -> UnitFile:
+    if not self._finalizer.alive:
+      raise RuntimeError("The disk tier's state files are removed when the trainer "
+                         "closes: read params() or save a checkpoint before close().")
+    return self._files[u]
+
+  def _read(self, u: int, gen: int | None = None) -> UnitState:
+    t0 = time.perf_counter()
+    st = self._from_leaves(u, self._file(u).read(self._gen[u] if gen is None else gen))
+    with self._cv:
+      self.read_bytes += self.layouts[u].file_bytes
+      self.io_s += time.perf_counter() - t0
+    return st
+
+  def _read_ahead(self, units) -> None:
+    """Starts reading these units' states, unless in RAM, on their way, or being written
+    (which then stay in RAM when written). Called with or without the lock held."""
+    with self._cv:
+      for u in units:
+        if (u not in self._ready and u not in self._reads and u not in self._taken
+            and self.trained[u].size):
+          self._reads[u] = self._pool.submit(self._read, u, self._gen[u])
+
+  def _learn(self) -> None:
+    self._order = self._seen + [v for v in self._order if v not in self._seen]
+    self._seen = []
+
+  def _next(self, u: int) -> list[int]:
+    """The `depth` units whose updates follow `u`'s (cyclically: the next step's)."""
+    order = self._order
+    if u not in order:
+      return []
+    i = order.index(u)
+    return [order[(i + k) % len(order)] for k in range(1, self.depth + 1)]
+
+  # -- the update path -----------------------------------------------------------
+
+  def take(self, u):
+    """A unit's state for its update: read ahead, or read now (a miss).
+
+    Args:
+      u: the unit.
+
+    Returns:
+      Its `UnitState` (host arrays over the read's buffer).
+
+    Raises:
+      DiskStateError: its file is damaged, or an earlier write failed.
+    """
+    self._donating([u])
+    with self._cv:
+      self._check_writes()
+      if u in self._seen:  # a step that did not update every unit (one was refused)
+        self._learn()
+      self._seen.append(u)
+      if len(self._seen) == self._n_trained:  # the step's order: the next one's too
+        self._learn()
+      self._taken.add(u)
+      write, read = self._writes.get(u), self._reads.pop(u, None)
+    if write is not None:
+      write.result()  # the buffers are donated by the update: the write reads them first
+    if read is not None:
+      st = read.result()
+    else:
+      with self._cv:
+        st = self._ready.pop(u, None)
+      if st is None:
+        self.misses += 1
+        st = self._read(u)
+    with self._cv:
+      self._ready.pop(u, None)
+    self._read_ahead(self._next(u))
+    return st
+
+  def put(self, u, st):
+    """Queues a unit's new state for writing (it stays in RAM until written).
+
+    Args:
+      u: the unit.
+      st: its state.
+
+    Raises:
+      DiskStateError: an earlier write failed.
+    """
+    with self._cv:
+      stale = self._reads.pop(u, None)  # of the state `st` replaces
+    if stale is not None:
+      concurrent.futures.wait([stale])  # never read the file while it is rewritten
+    with self._cv:
+      while len(self._writes) >= self.depth:  # bounded: wait for the oldest
+        self._check_writes()
+        self._cv.wait(1.0)
+      self._check_writes()
+      self._taken.discard(u)
+      self._uncopied.add(u)
+      self._gen[u] += 1
+      self.write_bytes += self.layouts[u].file_bytes  # counted as it is queued
+      self._ready[u] = st  # the streaming copy is cast from it next
+      fut = self._pool.submit(self._write, u, st, self._gen[u])
+      self._writes[u] = fut
+    fut.add_done_callback(lambda f, u=u, st=st: self._written(u, st, f))
+
+  def _written(self, u: int, st: UnitState, fut) -> None:
+    with self._cv:
+      if self._writes.get(u) is fut:
+        del self._writes[u]
+      if fut.exception() is not None:
+        self._failed = self._failed or fut.exception()
+      elif (self._ready.get(u) is st and u not in self._upcoming()
+            and u not in self._uncopied):
+        del self._ready[u]  # written, copied and not needed soon: out of RAM
+      self._cv.notify_all()
+
+  def _upcoming(self) -> set[int]:
+    last = self._seen[-1] if self._seen else None
+    return set(self._next(last)) if last is not None else set(self._order[:self.depth])
+
+  def _check_writes(self) -> None:
+    if self._failed is not None:
+      raise self._failed
+
+  def flush(self) -> None:
+    """Waits for every write; raises what one met.
+
+    Raises:
+      DiskStateError: a write failed.
+    """
+    with self._cv:
+      writes = list(self._writes.values())
+    for f in writes:
+      f.result()
+    with self._cv:
+      self._check_writes()
+
+  def fetch_parts(self, u):
+    """A unit's master parts and frozen elements, from RAM or its file's head.
+
+    Args:
+      u: the unit.
+
+    Returns:
+      The host arrays.
+    """
+    with self._cv:
+      st = self._ready.get(u)
+      if u in self._uncopied:  # the streaming copy of a put state: its last use in RAM
+        self._uncopied.discard(u)
+        if u not in self._writes and u not in self._upcoming():
+          self._ready.pop(u, None)
+    master = st.master if st is not None else self._master(u)
+    return master if self.frozen[u] is None else (*master, self.frozen[u])
+
+  def _master(self, u: int) -> tuple[jax.Array, ...]:
+    """A unit's master parts alone, read from its file (a third of its state)."""
+    with self._cv:
+      write, read, st = self._writes.get(u), self._reads.get(u), self._ready.get(u)
+    if st is not None or read is not None:
+      return self._get(u).master
+    if write is not None:
+      write.result()
+    k = len(self._templates[u].master)
+    views = self._file(u).read(self._gen[u], head=k)
+    with self._cv:
+      self.read_bytes += sum(v.nbytes for v in views)
+    return tuple(jax.device_put(v, self.sharding) for v in views)
+
+  # -- reads and writes outside the update path (checkpoints, params) -------------
+
+  def _get(self, u):
+    with self._cv:
+      write, read, st = self._writes.get(u), self._reads.get(u), self._ready.get(u)
+    if st is not None:
+      return st
+    if read is not None:  # its update takes it later: read here, never donated
+      return read.result()
+    if write is not None:
+      write.result()
+    return self._read(u)
+
+  def _set(self, u, st):
+    self.flush()
+    with self._cv:
+      self._ready.pop(u, None)
+      read = self._reads.pop(u, None)
+    if read is not None:
+      read.result()
+    self._write_now(u, st)
+
+  def master_bytes(self):
+    """Host bytes of the frozen elements (the masters are on disk).
+
+    Returns:
+      The bytes.
+    """
+    return sum(f.nbytes for f in self.frozen if f is not None)
+
+  def state_bytes(self):
+    """Host bytes of the states in RAM now (read ahead, or being written), and of a
+    whole-tree transform's state.
+
+    Returns:
+      The bytes.
+    """
+    with self._cv:
+      ram = list(self._ready.values())
+    return sum(x.nbytes for x in jax.tree.leaves([ram, self.shared]) if hasattr(x, "nbytes"))
+
+  def disk_bytes(self) -> int:
+    """Bytes of the state files.
+
+    Returns:
+      Their total.
+    """
+    return sum(lay.file_bytes for lay in self.layouts)
+
+  def io_stats(self):
+    """What the store read and wrote.
+
+    Returns:
+      "read_bytes", "write_bytes" (queued), "read_misses" (updates that waited for
+      a read started then), "io_s" (the I/O threads' time), "file_bytes", "dirs".
+    """
+    with self._cv:
+      return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+              "read_misses": self.misses, "io_s": self.io_s,
+              "file_bytes": self.disk_bytes(), "dirs": list(self.dirs)}
+
+  def close(self) -> None:
+    """Lets the pending writes finish, then removes the state files (a run's working
+    state, not a checkpoint) and releases the directories. Idempotent.
+
+    Raises:
+      DiskStateError: a pending write failed.
+    """
+    if not self._finalizer.alive:
+      return
+    try:
+      self.flush()
+    finally:
+      self._pool.shutdown(wait=True)
+      with self._cv:
+        self._reads.clear()
+        self._ready.clear()
+      self._finalizer()
+

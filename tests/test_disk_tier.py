@@ -1,0 +1,234 @@
+"""The disk tier (`EngineConfig(state_tier="disk")`): each unit's master and optimizer
+state in a file, read ahead of its update and written behind it.
+
+It must give the host tier's bits, and every way its files can go wrong (a missing,
+read-only, full or shared directory; a file truncated, changed or from another run)
+must be one clear error naming the path, never a silently wrong update.
+"""
+
+import errno
+import os
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import megatrain_jax as mt
+from megatrain_jax import checkpoint as ckpt_lib
+from megatrain_jax.engine.host import disk
+
+from conftest import TINY, random_batch
+
+CFG = TINY.replace(n_layers=3)
+BATCHES = [random_batch(CFG, 4, 16, seed=s) for s in range(5)]
+SETTINGS = {"model": CFG.to_dict()}
+OPTIMIZERS = {
+    "fused_adamw": lambda: mt.optim.adamw(1e-2, weight_decay=0.1),
+    "optax_lion": lambda: optax.lion(1e-3),
+    "split_clip": lambda: mt.optim.clip_by_global_norm(0.05, mt.optim.adamw(1e-2)),
+    "whole_tree": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)),
+}
+
+
+def _disk(path, **kw):
+  return mt.EngineConfig(state_tier="disk", state_dir=str(path), **kw)
+
+
+def _run(ec, tx, batches=BATCHES, trainable=None):
+  kw = {} if trainable is None else {"trainable": trainable}
+  with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), tx(), ec, **kw) as eng:
+    losses = [eng.step(batches[0])["loss"]]
+    eng.wait()
+    first = eng.stats()
+    losses += [eng.step(b)["loss"] for b in batches[1:]]
+    eng.wait()
+    return losses, eng.params(), {**eng.stats(), "first": first}
+
+
+def _same(a, b):
+  return all(np.array_equal(x, y) for x, y in
+             zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("fused_adamw", {}),
+    ("fused_adamw", {"grad_accum": 2, "state_in_flight": 1}),
+    ("optax_lion", {"host_threads": 1}),
+    ("split_clip", {}),
+    ("whole_tree", {}),
+], ids=["fused_adamw", "grad_accum2_depth1", "optax_lion", "split_clip", "whole_tree"])
+def test_disk_tier_gives_the_host_tiers_bits(tmp_path, name, kw):
+  tx = OPTIMIZERS[name]
+  want_losses, want, host = _run(mt.EngineConfig(stream_copy="keep", **kw), tx)
+  losses, got, st = _run(_disk(tmp_path, **kw), tx)
+  assert losses == want_losses
+  assert _same(got, want)
+  assert st["optimizer_mode"] == host["optimizer_mode"]
+  assert st["state_tier"] == "disk" and host["state_tier"] == "host"
+  # Every step after the first found each unit's state read ahead of its update (the
+  # first one guesses the order: the backward's, which clipped and whole-tree
+  # updates do not follow).
+  assert st["disk"]["read_misses"] == st["first"]["disk"]["read_misses"] <= CFG.n_layers + 2
+  assert st["disk"]["write_bytes"] == (len(BATCHES) + 1) * st["disk"]["file_bytes"]
+  assert not os.listdir(tmp_path) or set(os.listdir(tmp_path)) <= {disk.LOCK_NAME}
+
+
+def test_disk_tier_equals_the_resident_trainer(tmp_path):
+  tx = lambda: optax.adamw(1e-3, weight_decay=0.1)
+  ref = mt.ResidentTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), tx())
+  want = [ref.step(b)["loss"] for b in BATCHES[:3]]
+  losses, got, _ = _run(_disk(tmp_path), tx, BATCHES[:3])
+  np.testing.assert_allclose(losses, want, rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref.params()), strict=True):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-4 * max(np.abs(b).max(), 1e-6))
+
+
+def test_frozen_units_and_striping_over_two_directories(tmp_path):
+  a, b = tmp_path / "a", tmp_path / "b"
+  a.mkdir(), b.mkdir()
+  trainable = lambda path: path[0] != "embed"
+  tx = lambda: mt.optim.adamw(1e-2)
+  want_losses, want, _ = _run(mt.EngineConfig(stream_copy="keep"), tx, BATCHES[:3], trainable)
+  with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), tx(),
+                           _disk(f"{a},{b}"), trainable=trainable) as eng:
+    files = sorted(os.listdir(a)) + sorted(os.listdir(b))
+    assert len([f for f in files if f.endswith(".mtstate")]) == CFG.n_layers + 2
+    assert len([f for f in os.listdir(a) if f.endswith(".mtstate")]) == 3  # units 0, 2, 4
+    losses = [eng.step(x)["loss"] for x in BATCHES[:3]]
+    assert losses == want_losses
+    assert _same(eng.params(), want)
+
+
+@pytest.mark.parametrize("src, dst", [("disk", "host"), ("host", "disk")])
+def test_a_checkpoint_resumes_exactly_into_either_tier(tmp_path, src, dst):
+  ec = lambda tier, d: _disk(tmp_path / d) if tier == "disk" else mt.EngineConfig()
+  (tmp_path / "s1").mkdir(), (tmp_path / "s2").mkdir()
+  make = lambda tier, d, seed: mt.StreamingTrainer.from_config(
+      CFG, mt.optim.adamw(1e-2), ec(tier, d), jax.random.key(seed))
+  with make(src, "s1", 0) as a:
+    for b in BATCHES[:2]:
+      a.step(b)
+    mgr = ckpt_lib.CheckpointManager(str(tmp_path / "ckpt"))
+    mgr.save(a, SETTINGS)
+    want = [a.step(b)["loss"] for b in BATCHES[2:]]
+    mgr.wait()
+    final = a.params()
+  with make(dst, "s2", 1) as b:
+    ckpt_lib.CheckpointManager(str(tmp_path / "ckpt")).restore_latest(b, SETTINGS)
+    assert [b.step(x)["loss"] for x in BATCHES[2:]] == want
+    assert _same(b.params(), final)
+
+
+def _trainer(path, **kw):
+  return mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
+                             _disk(path, **kw))
+
+
+def test_bad_directories_are_named_before_anything_is_written(tmp_path, monkeypatch):
+  with pytest.raises(ValueError, match="needs state_dir"):
+    mt.EngineConfig(state_tier="disk")
+  with pytest.raises(ValueError, match="stream_copy='on_fetch'"):
+    mt.EngineConfig(state_tier="disk", state_dir=str(tmp_path), stream_copy="on_fetch")
+  missing = tmp_path / "nope"
+  with pytest.raises(disk.DiskStateError, match=f"{missing} does not exist"):
+    _trainer(missing)
+  monkeypatch.setattr(disk.os, "access", lambda path, mode: False)
+  with pytest.raises(disk.DiskStateError, match=f"{tmp_path} is not writable"):
+    _trainer(tmp_path)
+  monkeypatch.undo()
+  small = lambda path: type("Usage", (), {"free": 1000})()
+  monkeypatch.setattr(disk.shutil, "disk_usage", small)
+  with pytest.raises(disk.DiskStateError, match=rf"{tmp_path} needs 0\.\d\d GiB .* has 0\.00 GiB"):
+    _trainer(tmp_path)
+  assert not os.listdir(tmp_path)
+
+
+def test_a_directory_is_one_runs_at_a_time(tmp_path):
+  with _trainer(tmp_path) as a:
+    with pytest.raises(disk.DiskStateError, match=f"{tmp_path} is in use by another"):
+      _trainer(tmp_path)
+    a.step(BATCHES[0])
+
+
+def test_stale_files_of_a_killed_run_are_replaced(tmp_path):
+  (tmp_path / disk.FILE_PATTERN.format(1)).write_bytes(b"x" * 10000)
+  losses, _, _ = _run(_disk(tmp_path), OPTIMIZERS["fused_adamw"], BATCHES[:2])
+  want, _, _ = _run(mt.EngineConfig(), OPTIMIZERS["fused_adamw"], BATCHES[:2])
+  assert losses == want
+
+
+def _damage(path, how):
+  if how == "truncated":
+    os.truncate(path, os.path.getsize(path) - disk.PAGE)
+  elif how == "modified":
+    with open(path, "r+b") as f:
+      f.seek(disk.PAGE + 5)
+      byte = f.read(1)
+      f.seek(disk.PAGE + 5)
+      f.write(bytes([byte[0] ^ 0xFF]))
+  elif how == "other_run":  # another trainer's file of the same unit, written over it
+    other = path.parent.parent / "other"
+    other.mkdir()
+    with _trainer(other) as t:
+      t.step(BATCHES[0])
+      t.wait()
+      theirs = (other / path.name).read_bytes()
+    with open(path, "r+b") as f:  # in place: the trainer's open file sees it
+      f.write(theirs)
+
+
+@pytest.mark.parametrize("how, why", [
+    ("truncated", "truncated or replaced"),
+    ("modified", "does not match its checksum"),
+    ("other_run", "written by another run"),
+])
+def test_a_damaged_state_file_stops_training_naming_it(tmp_path, how, why):
+  d = tmp_path / "state"
+  d.mkdir()
+  eng = _trainer(d)
+  start = None
+  try:
+    eng.step(BATCHES[0])
+    eng.wait()
+    start = eng.params()
+    path = d / disk.FILE_PATTERN.format(2)  # a block: read during the backward
+    _damage(path, how)
+    with pytest.raises(disk.DiskStateError, match=f"{path}.*{why}"):
+      for b in BATCHES[1:4]:
+        eng.step(b)
+      eng.wait()
+  finally:
+    try:
+      eng.close()
+    except disk.DiskStateError:
+      pass
+  assert start is not None
+
+
+def test_a_full_disk_during_a_step_is_one_clear_error(tmp_path, monkeypatch):
+  eng = _trainer(tmp_path)
+  try:
+    eng.step(BATCHES[0])
+    eng.wait()
+    real = os.pwritev
+
+    def full(fd, buffers, offset):
+      if os.readlink(f"/proc/self/fd/{fd}").endswith(disk.FILE_PATTERN.format(3)):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+      return real(fd, buffers, offset)
+
+    monkeypatch.setattr(disk.os, "pwritev", full)
+    with pytest.raises(disk.DiskStateError,
+                       match=r"unit 3 to .*unit_00003\.mtstate failed: No space left on "
+                             r"device\. The disk is full"):
+      for b in BATCHES[1:4]:
+        eng.step(b)
+      eng.wait()
+  finally:
+    monkeypatch.undo()
+    try:
+      eng.close()
+    except disk.DiskStateError:
+      pass
