@@ -232,3 +232,38 @@ def test_a_full_disk_during_a_step_is_one_clear_error(tmp_path, monkeypatch):
       eng.close()
     except disk.DiskStateError:
       pass
+
+
+def test_each_unit_is_on_disk_before_the_next_one_is_read(tmp_path):
+  # The model never exists whole in RAM: a unit's file is written before the
+  # next unit's parameters are asked for.
+  from megatrain_jax.engine.build import host_units
+  sizes_when_asked = []
+
+  def units():
+    for u, tree in enumerate(host_units(CFG, jax.random.key(0))):
+      files = sorted(p for p in os.listdir(tmp_path) if p.endswith(".mtstate"))
+      sizes_when_asked.append([os.path.getsize(tmp_path / p) for p in files])
+      yield tree
+
+  with mt.StreamingTrainer.from_units(CFG, mt.optim.adamw(1e-2), _disk(tmp_path),
+                                      units()) as eng:
+    layout = eng.stats()["disk"]["file_bytes"]
+    eng.step(BATCHES[0])
+  assert [len(s) for s in sizes_when_asked] == [CFG.n_layers + 2] * (CFG.n_layers + 2)
+  for u, sizes in enumerate(sizes_when_asked):  # files opened at once, filled in turn
+    assert all(size > disk.PAGE for size in sizes[:u]) and not any(sizes[u:])
+  assert layout > 0
+
+
+def test_a_hugging_face_checkpoint_loads_into_the_disk_tier(tmp_path):
+  model = mt.Llama(CFG, rngs=nnx.Rngs(3))
+  mt.hf.save_pretrained(model, CFG, str(tmp_path / "hf"))
+  (tmp_path / "state").mkdir()
+  tx = lambda: mt.optim.adamw(1e-2)
+  with mt.hf.streaming_trainer(str(tmp_path / "hf"), tx(), mt.EngineConfig()) as host, \
+       mt.hf.streaming_trainer(str(tmp_path / "hf"), tx(), _disk(tmp_path / "state")) as dsk:
+    assert _same(dsk.params(), model.param_tree())
+    assert [dsk.step(b)["loss"] for b in BATCHES[:2]] == [host.step(b)["loss"]
+                                                          for b in BATCHES[:2]]
+    assert _same(dsk.params(), host.params())

@@ -96,18 +96,24 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   if ec.device_budget_bytes is not None and static > ec.device_budget_bytes:
     raise preflight.device_budget_error("Holding the parameters in flight alone", {"total": static},
                                      ec.device_budget_bytes, unit=2**20)
-  specs, masters, kinds = [], [], {}
-  for u, tree in enumerate(unit_trees):
+  frozen_dtype, kinds = jnp.dtype(ec.frozen_dtype_name), {}
+
+  def spec_of(u, tree):  # blocks of one structure share one spec
     spec = FlatSpec(tree, None if masks is None else masks[u])
-    if 1 <= u <= cfg.n_layers:
-      spec = kinds.setdefault(spec, spec)  # blocks of one structure share one spec
-    specs.append(spec)
-    # Frozen leaves go straight to the frozen dtype: no fp32 copy of a frozen base.
-    masters.append(spec.split_np(tree, jnp.dtype(ec.frozen_dtype_name)))
-    del tree
-  if len(specs) != schedule.n_units:
-    raise ValueError(f"Expected {schedule.n_units} units (embed, {cfg.n_layers} blocks, "
-                     f"head), got {len(specs)}.")
+    return kinds.setdefault(spec, spec) if 1 <= u <= cfg.n_layers else spec
+
+  if ec.state_tier == "disk":
+    # Each unit goes to its file as it comes, so the layouts come from the config.
+    specs = [spec_of(u, t) for u, t in enumerate(abstract_units(cfg))]
+    masters = _flat_masters(unit_trees, specs, spec_of, frozen_dtype)
+  else:
+    specs, masters = [], []
+    for u, tree in enumerate(unit_trees):
+      specs.append(spec_of(u, tree))
+      # Frozen leaves go straight to the frozen dtype: no fp32 copy of a frozen base.
+      masters.append(specs[-1].split_np(tree, frozen_dtype))
+      del tree
+    _check_count(len(specs), cfg.n_layers)
   keep = sizes.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
   updater = resolution.make(transport.host_device, ec.host_threads, ec.host_chunk)
   if ec.state_tier == "disk":
@@ -128,6 +134,47 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)
   return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
+
+
+def abstract_units(cfg: LlamaConfig) -> list[Any]:
+  """Every unit's parameter tree as shapes and dtypes (nothing allocated).
+
+  Args:
+    cfg: the model.
+
+  Returns:
+    The trees: embed, each block, head.
+  """
+  key = jax.random.key(0)
+  return [jax.eval_shape(lambda k: llama.init_embed(cfg, k), key),
+          *[jax.eval_shape(lambda k, m=cfg.layer_is_moe(i): llama.init_block(cfg, k, m), key)
+            for i in range(cfg.n_layers)],
+          jax.eval_shape(lambda k: llama.init_head(cfg, k), key)]
+
+
+def _flat_masters(unit_trees: Iterable[Any], specs: list[FlatSpec], spec_of: Callable,
+                  frozen_dtype) -> Iterator[Any]:
+  """Each unit's flat master as its tree comes (`FlatSpec.split_np`), checked against
+  the layout the config gives it."""
+  n = 0
+  for u, tree in enumerate(unit_trees):
+    _check_count(u + 1, len(specs) - 2, more_only=True)
+    if spec_of(u, tree) != specs[u]:
+      raise ValueError(f"Unit {u}'s parameters do not have the layout the model config "
+                       "gives it: the units must be the config's (embed, each block, "
+                       "head), with its shapes.")
+    yield specs[u].split_np(tree, frozen_dtype)
+    n = u + 1
+    del tree
+  _check_count(n, len(specs) - 2)
+
+
+def _check_count(n: int, layers: int, more_only: bool = False) -> None:
+  """Refuses a number of unit trees that is not the model's (with `more_only`, only
+  more of them)."""
+  if n > layers + 2 or (n != layers + 2 and not more_only):
+    raise ValueError(f"Expected {layers + 2} units (embed, {layers} blocks, head), got "
+                     f"{'more' if more_only else n}.")
 
 
 def _transport(ec: EngineConfig) -> Transport:

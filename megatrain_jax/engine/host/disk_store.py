@@ -23,7 +23,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import jax
 import numpy as np
@@ -38,7 +38,7 @@ class DiskStore(HostStore):
   """Every unit's master and optimizer state in its own file, `depth` units in RAM."""
   tier = "disk"
 
-  def __init__(self, updater: UnitUpdater, specs: Sequence[FlatSpec], masters: list[Any],
+  def __init__(self, updater: UnitUpdater, specs: Sequence[FlatSpec], masters: Iterable[Any],
                host_device: jax.Device, frozen_dtype, state_dir: str | Sequence[str],
                depth: int = 2, io_threads: int = 4):
     """Writes every unit's initial state to its file, one unit in RAM at a time.
@@ -46,7 +46,8 @@ class DiskStore(HostStore):
     Args:
       updater: how the units update.
       specs: each unit's full layout.
-      masters: as `HostStore`'s (the list is emptied as units are written).
+      masters: each unit's initial values, as `HostStore`'s, taken one at a time (an
+        iterator is consumed only after the directories passed their checks).
       host_device: the CPU device.
       frozen_dtype: the dtype frozen elements are kept in (in RAM).
       state_dir: the directories (`state_dirs`).
@@ -95,11 +96,12 @@ class DiskStore(HostStore):
     self.misses, self.read_bytes, self.write_bytes, self.io_s = 0, 0, 0, 0.0
     whole = updater.mode == "whole_tree"
     kept = []
-    for u in range(n):
-      flat, frozen = split_master(masters[u], self.specs[u])
+    for u, master in enumerate(masters):  # one unit in RAM at a time
+      flat, frozen = split_master(master, self.specs[u])
+      del master
       parts = tuple(self._put(flat[lo:hi], np.float32) for lo, hi in self.bounds[u])
       self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
-      masters[u] = None
+      del flat, frozen
       self._write_now(u, UnitState(parts, updater.init(self.trained[u], parts)))
       kept.append(parts[0] if whole else None)
     # A whole-tree transform's state is the tree's, made from every master at once.
