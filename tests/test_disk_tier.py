@@ -267,3 +267,36 @@ def test_a_hugging_face_checkpoint_loads_into_the_disk_tier(tmp_path):
     assert [dsk.step(b)["loss"] for b in BATCHES[:2]] == [host.step(b)["loss"]
                                                           for b in BATCHES[:2]]
     assert _same(dsk.params(), host.params())
+
+
+def test_disk_bench_formulas(monkeypatch, tmp_path):
+  from megatrain_jax import bench
+  from megatrain_jax.bench import disk as bench_disk
+  rounds = []
+
+  def fake_median_times(fns, warmup, reps, settle=0):
+    rounds.append((sorted(fns), settle))
+    for fn in fns.values():
+      fn()  # both trainers step (the disk one also writes out its state)
+    return {"host": 2.0, "disk": 2.5}
+
+  monkeypatch.setattr(bench_disk, "median_times", fake_median_times)
+  monkeypatch.setattr(bench_disk, "disk_seconds", lambda layouts, d, threads: (1.5, 1.5))
+  monkeypatch.setattr(bench_disk, "host_memory_run", lambda model, copy, state_dir: (
+      {"host_bytes_per_param": 3.0, "rss_peak_bytes": 7, "state_dir": state_dir}))
+  out = bench_disk.disk_tier(bench.Suite(model=CFG, batch_size=2, seq_len=8, warmup=1, reps=1,
+                                         state_dir=str(tmp_path)))
+  assert rounds == [(["disk", "host"], 2)]
+  assert out["disk_over_host_step"] == pytest.approx(1.25)
+  assert out["disk_io_s_per_step"] == 3.0  # a write and a read of every unit
+  assert out["disk_over_host_goal"] == pytest.approx(1.15 * 1.5)
+  assert out["disk_io_efficiency"] == pytest.approx(3.0 / 2.5)
+  assert out["host_bytes_per_param_disk_tier"] == 3.0
+  assert out["disk_bytes"] > 0 and not os.listdir(tmp_path)  # its files removed
+
+
+def test_disk_calibration_writes_and_reads_the_layouts(tmp_path):
+  from megatrain_jax.bench import disk as bench_disk
+  layouts = [disk.FileLayout.of([((3000,), "float32"), ((), "int32")])] * 3
+  write_s, read_s = bench_disk.disk_seconds(layouts, str(tmp_path), threads=2, reps=2)
+  assert write_s > 0 and read_s > 0 and not os.listdir(tmp_path)

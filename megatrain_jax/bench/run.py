@@ -8,8 +8,8 @@ from typing import Any, Callable
 
 from absl import logging
 
-from megatrain_jax.bench import (attention, host_memory, host_optimizer, link, lora, planner,
-                                 scale_out, steps)
+from megatrain_jax.bench import (attention, disk, host_memory, host_optimizer, link, lora,
+                                 planner, scale_out, steps)
 from megatrain_jax.bench.suite import Suite, machine
 
 
@@ -24,15 +24,17 @@ def parts() -> dict[str, Callable[[Suite], dict[str, Any]]]:
           "host_memory": host_memory.host_memory, "templates": steps.template_times,
           "host_optimizer_profile": host_optimizer.host_optimizer_profile,
           "planner": planner.planner_accuracy, "scale_out": scale_out.scale_out,
-          "lora": lora.lora_ratios, "attention": attention.attention_crossover}
+          "lora": lora.lora_ratios, "attention": attention.attention_crossover,
+          "disk": disk.disk_tier}
 
 
 # The parts behind the goals; "templates", "host_optimizer_profile", "planner"
 # (the plan's step time against a measured one), "scale_out" (4 CPU devices in a
-# child process) and "attention" (the dense/blockwise crossover) run on request.
+# child process), "attention" (the dense/blockwise crossover) and "disk" (the disk
+# tier; its goals hold on a disk of the speed docs/performance.md names) run on request.
 DEFAULT_PARTS = ("steps", "link", "host_optimizer", "host_memory", "lora")
 PART_NAMES = ("steps", "link", "host_optimizer", "host_memory", "lora", "templates",
-              "host_optimizer_profile", "planner", "scale_out", "attention")
+              "host_optimizer_profile", "planner", "scale_out", "attention", "disk")
 
 
 def run_suite(s: Suite, names: tuple[str, ...] = DEFAULT_PARTS,

@@ -29,6 +29,8 @@ GOALS = {
     "host_bytes_per_param": ("<=", 14.5),
     "lora_over_full_step": ("<=", 0.8),
     "host_bytes_per_base_param_lora": ("<=", 2.3),
+    "disk_io_efficiency": (">=", 0.8),
+    "host_bytes_per_param_disk_tier": ("<=", 2.6),
 }
 
 
@@ -44,6 +46,7 @@ class Suite:
   opt_slab: int = 2**20  # the host-optimizer profile's cache-sized pieces
   host_chunk: int = HOST_CHUNK  # elements per step of the host AdamW's in-place loop
   rss_model: str = "300m"
+  state_dir: str | None = None  # the disk part's files (None: the temporary directory)
 
 
 def machine() -> dict[str, Any]:

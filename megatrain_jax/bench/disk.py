@@ -1,0 +1,118 @@
+"""The disk tier against the host tier: step time, the disk's own time, host bytes."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import shutil
+import tempfile
+import time
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from megatrain_jax.bench.host_memory import host_memory_run
+from megatrain_jax.bench.suite import Suite
+from megatrain_jax.bench.timing import median_times, synthetic_batch
+from megatrain_jax.engine import EngineConfig, StreamingTrainer
+from megatrain_jax.engine.host.disk import CHUNK, FileLayout, UnitFile, aligned_buffer
+from megatrain_jax.models.llama import Llama
+from megatrain_jax.optim import adamw
+
+
+def disk_seconds(layouts: list[FileLayout], state_dir: str, threads: int,
+                 reps: int = 3) -> tuple[float, float]:
+  """The disk's own time to write, then read, files of these layouts, as the disk
+  tier does it (direct I/O, `threads` at a time, the same checks), nothing else
+  running.
+
+  Args:
+    layouts: one per file.
+    state_dir: where the files go (removed after).
+    threads: files in flight at once.
+    reps: rounds; the median is kept.
+
+  Returns:
+    (write seconds, read seconds) for all the files once.
+  """
+  d = tempfile.mkdtemp(prefix="calibrate-", dir=state_dir)
+  files = [UnitFile(os.path.join(d, f"c{u}"), u, b"\0" * 16, lay)
+           for u, lay in enumerate(layouts)]
+  rng = np.random.default_rng(0)
+  data = [[rng.random(leaf.nbytes // 4 or 1, np.float32)[:leaf.nbytes // 4]
+           for leaf in lay.leaves] for lay in layouts]
+  bounces = [aligned_buffer(CHUNK) for _ in range(threads)]
+  times: dict[str, list[float]] = {"write": [], "read": []}
+  try:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+      for r in range(reps):
+        t0 = time.perf_counter()
+        list(pool.map(lambda u: files[u].write(data[u], r + 1, bounces[u % threads]),
+                      range(len(files))))
+        t1 = time.perf_counter()
+        list(pool.map(lambda u: files[u].read(r + 1), range(len(files))))
+        times["write"].append(t1 - t0)
+        times["read"].append(time.perf_counter() - t1)
+  finally:
+    for f in files:
+      f.close()
+    shutil.rmtree(d, ignore_errors=True)
+  return float(np.median(times["write"])), float(np.median(times["read"]))
+
+
+def disk_tier(s: Suite) -> dict[str, Any]:
+  """The streaming step with the state on disk over the same step with it in RAM,
+  timed side by side (each step charged its updates and its writes), against the
+  disk's own time for the bytes a step reads and writes; and the host bytes per
+  parameter of a disk-tier run of the host-memory model.
+
+  Args:
+    s: the sizes (`state_dir`: where the state files go; None: a temporary
+      directory).
+
+  Returns:
+    "disk_over_host_step", "disk_io_efficiency" (the step's floor, the longer of
+    the step in RAM and the disk's time, over the disk-tier step),
+    "disk_io_s_per_step", "host_bytes_per_param_disk_tier", and the times behind
+    them.
+  """
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  root = s.state_dir or tempfile.gettempdir()
+  d = tempfile.mkdtemp(prefix="megatrain-disk-bench-", dir=root)
+  try:
+    ec = EngineConfig(state_tier="disk", state_dir=d)
+    with StreamingTrainer(Llama(cfg, rngs=nnx.Rngs(0)), adamw(1e-4),
+                          EngineConfig(stream_copy="keep")) as host, \
+         StreamingTrainer(Llama(cfg, rngs=nnx.Rngs(0)), adamw(1e-4), ec) as dsk:
+      store = dsk.host_optimizer.store
+      timed = {"host": lambda: (host.step(batch), host.wait()),
+               "disk": lambda: (dsk.step(batch), dsk.wait(), store.flush())}
+      before = store.io_stats()
+      t = median_times(timed, s.warmup, s.reps, settle=2)
+      after = store.io_stats()
+      steps = (s.warmup + s.reps * 3)  # each round: two settling steps and a timed one
+      layouts = list(store.layouts)
+    write_s, read_s = disk_seconds(layouts, d, ec.state_in_flight)
+  finally:
+    shutil.rmtree(d, ignore_errors=True)
+  io_s = write_s + read_s  # one write and one read of every unit a step
+  rss_dir = tempfile.mkdtemp(prefix="megatrain-disk-rss-", dir=root)
+  try:
+    rss = host_memory_run(s.rss_model, "auto", state_dir=rss_dir)
+  finally:
+    shutil.rmtree(rss_dir, ignore_errors=True)
+  return {
+      "disk_over_host_step": t["disk"] / t["host"],
+      "disk_over_host_goal": 1.15 * max(1.0, io_s / t["host"]),
+      "disk_io_efficiency": max(t["host"], io_s) / t["disk"],
+      "disk_step_time_s": t["disk"], "disk_host_step_time_s": t["host"],
+      "disk_io_s_per_step": io_s, "disk_write_gb_per_s": sum(
+          lay.file_bytes for lay in layouts) / write_s / 1e9,
+      "disk_read_gb_per_s": sum(lay.file_bytes for lay in layouts) / read_s / 1e9,
+      "disk_read_misses_per_step": (after["read_misses"] - before["read_misses"]) / steps,
+      "disk_bytes": sum(lay.file_bytes for lay in layouts),
+      "host_bytes_per_param_disk_tier": rss["host_bytes_per_param"],
+      "disk_rss_peak_bytes": rss["rss_peak_bytes"],
+  }
