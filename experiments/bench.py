@@ -12,8 +12,8 @@ Profiles run only when named: `templates`, the per-layer calls alone,
 `host_optimizer_profile`, where the host AdamW's time goes (`--opt_slab` sets its
 piece size, `--host_chunk` the in-place loop's chunk in both host-optimizer parts),
 `attention`, dense against blockwise attention by sequence length (where
-`attention_block="auto"` switches), `planner`, `scale_out`, and `disk`, the disk tier
-against the host tier (`--state_dir` puts its files on the disk to measure).
+`attention_block="auto"` switches), `planner`, `scale_out`, and `disk_tier`, the disk
+tier against the host tier (`--state_dir` puts its files on the disk to measure).
 The process restarts once, before it imports JAX, with malloc asking for transparent
 huge pages (see `megatrain_jax/launch.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """
@@ -41,7 +41,7 @@ flags.DEFINE_integer("host_chunk", None, "Elements per step of the host AdamW's 
                      lower_bound=1)
 flags.DEFINE_list("parts", list(bench.DEFAULT_PARTS),
                   f"Parts of the suite to run, of {list(bench.PART_NAMES)}.")
-flags.DEFINE_string("state_dir", None, "Where the `disk` part writes its state files "
+flags.DEFINE_string("state_dir", None, "Where the `disk_tier` part writes its state files "
                     "(default: the temporary directory).")
 FLAGS = flags.FLAGS
 

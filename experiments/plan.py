@@ -5,7 +5,10 @@
   python experiments/plan.py --model=small --hardware=measured   # calibrates this machine (~15 s)
   python experiments/plan.py --model=70b --hosts=4 --data_parallel=8 --batch_size=64  # 32 devices
 
-Hardware: h200, gh200, h100_pcie, a100, rtx3090, rtx_a6000, tpu_v5p, tpu_v6e, mi300x
+  python experiments/plan.py --model=70b --hardware=workstation --state_tier=disk --batch_size=8
+
+Hardware: h200, gh200, h100_pcie, a100, workstation (an RTX 4090 with 256 GB of RAM and
+4 NVMe drives, for --state_tier=disk), rtx3090, rtx_a6000, tpu_v5p, tpu_v6e, mi300x
 (published peaks, sources in megatrain_jax/planner/hardware.py), or measured.
 """
 
@@ -14,7 +17,7 @@ from absl import app, flags
 from megatrain_jax import planner
 from megatrain_jax.bench import calibrate
 from megatrain_jax.engine import EngineConfig
-from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE
+from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE, STATE_TIERS
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.optim import adamw
 
@@ -38,6 +41,10 @@ flags.DEFINE_integer("attention_block", None, "Attention in blocks of this many 
                      "(default: the model's, or 1024 when the model does not fit without).")
 flags.DEFINE_integer("mlp_chunk", None, "Feed-forward in chunks of this many tokens "
                      "(default: the model's, or 8192 when it does not fit without).")
+flags.DEFINE_enum("state_tier", "host", list(STATE_TIERS), "Where the fp32 masters and "
+                  "optimizer state live: host RAM, or files on the profile's NVMe drives.")
+flags.DEFINE_integer("state_in_flight", 2, "With --state_tier=disk: units whose state "
+                     "is read ahead, and written behind, at most.", lower_bound=1)
 FLAGS = flags.FLAGS
 
 
@@ -56,7 +63,9 @@ def main(argv):
   ec = EngineConfig(prefetch_depth=FLAGS.prefetch_depth, checkpoint_every=FLAGS.checkpoint_every,
                     compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum,
                     activations=FLAGS.activations, recompute=FLAGS.recompute,
-                    data_parallel=FLAGS.data_parallel)
+                    data_parallel=FLAGS.data_parallel, state_tier=FLAGS.state_tier,
+                    state_in_flight=FLAGS.state_in_flight,
+                    state_dir="the profile's drives" if FLAGS.state_tier == "disk" else None)
   opt = adamw(1e-4)
   devices = FLAGS.data_parallel * FLAGS.hosts
   if FLAGS.batch_size == "auto":

@@ -246,3 +246,30 @@ def test_tpu_and_amd_profiles_follow_their_published_figures():
   largest = {n: order.index(_largest_model(planner.PROFILES[n])) for n in p}
   assert largest["mi300x"] > largest["h100_pcie"]
   assert largest["tpu_v6e"] > largest["tpu_v5p"]
+
+
+def test_the_disk_tier_plan_moves_the_state_to_the_drives():
+  cfg = mt.preset("7b")
+  hw = planner.PROFILES["workstation"]
+  host_ec = mt.EngineConfig(compute_dtype="bfloat16")
+  disk_ec = dataclasses.replace(host_ec, state_tier="disk", state_dir="drives")
+  in_ram, on_disk = (planner.plan(cfg, ADAMW, ec, hw, 1, 2048) for ec in (host_ec, disk_ec))
+  n = on_disk.params
+  # Masters and moments leave RAM for the files; in RAM stay the largest units' states
+  # in flight (2 read ahead, 1 updating, 2 written behind: here 5 blocks).
+  assert in_ram.host["masters"] == 4 * n and on_disk.host["masters"] == 0
+  assert on_disk.host["optimizer_state"] == 0
+  block = sizes.unit_sizes(cfg)[1]
+  assert on_disk.host["state_in_flight"] == 5 * (12 * block + 4)  # moments' count
+  assert on_disk.disk_bytes == 12 * n and in_ram.disk_bytes == 0
+  state = 12 * n  # read, then written, over 4 drives
+  assert on_disk.times["disk"] == pytest.approx(
+      state / (4 * hw.disk_read_bytes_per_s) + state / (4 * hw.disk_write_bytes_per_s))
+  assert "disk" not in in_ram.times
+  # At one sequence the drives are the slowest part of the step.
+  assert on_disk.bottleneck == "disk" and on_disk.step_s > on_disk.times["compute"]
+  assert "disk (state files)" in on_disk.table() and "host RAM" in in_ram.table()
+  small = dataclasses.replace(hw, disk_bytes=state // 8)  # 4 drives hold half the files
+  assert not planner.plan(cfg, ADAMW, disk_ec, small, 1, 2048).fits
+  with pytest.raises(ValueError, match="'H200 \\+ 1.5 TB host' states no NVMe drives"):
+    planner.plan(cfg, ADAMW, disk_ec, planner.PROFILES["h200"], 1, 2048)

@@ -328,6 +328,16 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama-2-7B's shape (6.74B parameters).
     "7b": LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
                       n_kv_heads=32, d_ff=11008, max_seq_len=4096),
+    # Llama-3-70B's shape (70.6B parameters).
+    "70b": LlamaConfig(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
+                       n_kv_heads=8, d_ff=28672, max_seq_len=8192, rope_theta=500000.0),
+    # Mistral-Large-2's shape (122.6B parameters).
+    "123b": LlamaConfig(vocab_size=32768, d_model=12288, n_layers=88, n_heads=96,
+                        n_kv_heads=8, d_ff=28672, max_seq_len=32768, rope_theta=1e6),
+    # GPT-3 175B's width, depth and heads as a Llama decoder (its feed-forward's
+    # parameters in SwiGLU form: d_ff = 8/3 d_model).
+    "175b": LlamaConfig(vocab_size=50257, d_model=12288, n_layers=96, n_heads=96,
+                        n_kv_heads=96, d_ff=32768, max_seq_len=2048),
     # `tiny` with mixture-of-experts layers: a dense first layer, then three layers of
     # 8 experts (top 2) with a shared expert and the load-balancing loss.
     "tiny_moe": LlamaConfig(vocab_size=260, d_model=128, n_layers=4, n_heads=4,

@@ -17,6 +17,25 @@ from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.planner.hardware import Hardware
 
 
+# The disk tier's files: each parameter's fp32 master and AdamW's two moments.
+DISK_STATE_BYTES_PER_PARAM = 12
+
+
+def disk_state_bytes(cfg: LlamaConfig, ec) -> int:
+  """Bytes of the disk tier's state files (0 with the state in RAM).
+
+  Args:
+    cfg: the model.
+    ec: the engine config (`state_tier`).
+
+  Returns:
+    The bytes.
+  """
+  if ec.state_tier != "disk":
+    return 0
+  return DISK_STATE_BYTES_PER_PARAM * sum(sizes.unit_sizes(cfg))
+
+
 def step_program(cfg: LlamaConfig, ec) -> program_lib.StepProgram:
   """A step's operations for `ec` (`engine.plan.program`): what the planner counts
   its template calls, fetches, gradients and recomputed forwards from.
@@ -126,7 +145,12 @@ def times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
     hosts: hosts.
 
   Returns:
-    Seconds of "compute", "h2d", "d2h", "host_opt" and "collectives".
+    Seconds of "compute", "h2d", "d2h", "host_opt" and "collectives"; with
+    `state_tier="disk"`, also "disk": reading and then writing every unit's master
+    and AdamW moments (12 bytes per parameter each way) over the drives.
+
+  Raises:
+    ValueError: the disk tier on a profile that states no drives.
   """
   devices = max(ec.data_parallel, 1)
   batch_size //= devices * hosts
@@ -135,10 +159,19 @@ def times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
   flops = step_flops(cfg, ec, batch_size, seq_len)
   calls = step_program(cfg, ec).template_calls()
   b = step_bytes(cfg, ec)
-  return {
+  out = {
       "compute": flops / hw.flops_at(cfg.d_model) + calls * hw.call_overhead_s,
       "h2d": (b["h2d"] + moved) / hw.h2d_bytes_per_s,
       "d2h": (b["d2h"] + moved) / hw.d2h_bytes_per_s,
       "host_opt": b["host_opt"] / hw.host_opt_bytes_per_s,
       "collectives": collective_s(b["d2h"], hw, devices, hosts),
   }
+  if ec.state_tier == "disk":
+    if not hw.disk_drives:
+      raise ValueError(f"The hardware profile {hw.name!r} states no NVMe drives, so the "
+                       "disk tier's time is unknown: choose a profile with drives "
+                       "(workstation) or state_tier='host'.")
+    state = disk_state_bytes(cfg, ec)
+    out["disk"] = state / (hw.disk_drives * hw.disk_read_bytes_per_s) + state / (
+        hw.disk_drives * hw.disk_write_bytes_per_s)
+  return out

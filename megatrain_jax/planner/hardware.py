@@ -30,6 +30,9 @@ class Hardware:
   interconnect_bytes_per_s: between two devices of one host, one direction (the
     gradient all-reduce of data parallelism).
   network_bytes_per_s: between hosts, per device, one direction.
+  disk_drives, disk_read_bytes_per_s, disk_write_bytes_per_s, disk_bytes: the NVMe
+    drives the disk tier's state files stripe over (0: none stated), and each
+    drive's sequential direct-I/O rates and capacity.
   """
 
   name: str
@@ -47,6 +50,10 @@ class Hardware:
   flash_attention: bool = True
   interconnect_bytes_per_s: float = 0.8 * 64 * GB
   network_bytes_per_s: float = 0.8 * 50 * GB
+  disk_drives: int = 0
+  disk_read_bytes_per_s: float = 0.0
+  disk_write_bytes_per_s: float = 0.0
+  disk_bytes: int = 0
   source: str = ""
 
   def flops_at(self, d_model: int) -> float:
@@ -72,8 +79,12 @@ class Hardware:
 
 
 def _published(name, peak_flops, link, device_bytes, host_bytes, host_opt, source,
-               mfu=0.6, d2h=None, interconnect=None, network=None, cudnn=True):
+               mfu=0.6, d2h=None, interconnect=None, network=None, cudnn=True,
+               disk=(0, 0.0, 0.0, 0)):
+  drives, read, write, capacity = disk
   return Hardware(name=name, layer_flops=((1, peak_flops * mfu),), h2d_bytes_per_s=link,
+                  disk_drives=drives, disk_read_bytes_per_s=read,
+                  disk_write_bytes_per_s=write, disk_bytes=capacity,
                   d2h_bytes_per_s=d2h or link, host_opt_bytes_per_s=host_opt,
                   device_bytes=device_bytes, host_bytes=host_bytes, peak_flops=peak_flops,
                   flash_attention=cudnn, interconnect_bytes_per_s=interconnect or link,
@@ -112,6 +123,15 @@ PROFILES: dict[str, Hardware] = {
                        "NVIDIA A100 datasheet; host assumed"),
     # NVIDIA GA102 whitepaper: RTX 3090 71 TFLOPS BF16 with FP32 accumulate, 24 GB;
     # PCIe Gen4 x16.
+    # A workstation for the disk tier: NVIDIA Ada whitepaper, RTX 4090: 165.2 TFLOPS
+    # FP16/BF16 tensor with FP32 accumulate (dense), 24 GB; PCIe Gen4 x16. Host
+    # assumed: 256 GB RAM, optimizer bandwidth 80 GB/s, and 4 PCIe 4.0 NVMe drives of
+    # a data-center class (Samsung PM9A3 datasheet: 6.9 GB/s sequential read,
+    # 4.1 GB/s write, 3.84 TB), each at 80% of those rates with direct I/O.
+    "workstation": _published("RTX 4090 + 256 GB + 4 NVMe", 165.2e12, 0.8 * 32 * GB,
+                              24 * GB, 256 * GB, 80 * GB, "NVIDIA Ada whitepaper; "
+                              "Samsung PM9A3 datasheet; host and drives assumed",
+                              disk=(4, 0.8 * 6.9 * GB, 0.8 * 4.1 * GB, 3840 * GB)),
     "rtx3090": _published("RTX 3090", 71e12, 0.8 * 32 * GB, 24 * GB, 128 * GB, 40 * GB,
                           "NVIDIA GA102 whitepaper; host assumed"),
     # NVIDIA RTX A6000 datasheet: 309.7 TFLOPS tensor with sparsity (154.8 dense),

@@ -6,23 +6,22 @@
   checkpoint copies) and device bytes by kind (`engine.memory`), plus the device
   peak the engine's ledger can reach (`engine.memory.step_plan`);
 - the largest batch that fits the device and the host;
-- the step time as the slowest of compute, host->device, device->host and the
-  host optimizer, plus what cannot overlap (the first fetch and the last update),
-  or, where device and host share the same cores (the CPU backend), their sum;
+- the step time as the slowest of compute, host->device, device->host, the host
+  optimizer and the drives (with the state on disk), plus what cannot overlap (the
+  first fetch, the last update), or where device and host share cores, their sum;
 - the bottleneck, and the break-even tokens per step at which the link stops
   limiting (compute time grows with tokens, transfer time does not).
 
-Data parallel (`ec.data_parallel` devices on each of `hosts` hosts): the batch is
-the global one, split evenly over every device; device bytes are one device's, host
-bytes one host's (each holds the whole state). Each device fetches every unit over
-its own link; gradients come back once per host. The all-reduce of each unit's
+Data parallel (`ec.data_parallel` devices on each of `hosts` hosts): the global batch
+splits evenly over every device; device bytes are one device's, host bytes one
+host's (each holds the whole state). Each device fetches every unit over its own
+link; gradients come back once per host. The all-reduce of each unit's
 gradient runs inside its backward, after the compute: a reduce-scatter and an
 all-gather between the devices of a host, 2 (D - 1) / D x the bytes over the
 interconnect, with an all-reduce of each device's 1/D between hosts, 2 (H - 1) / H
 x the bytes / D over each device's network adapter.
 
-What a step costs (bytes, FLOPs, each resource's time) is in `planner/cost.py`,
-the profiles in `planner/hardware.py`.
+Costs (bytes, FLOPs, times) are in `planner/cost.py`, profiles in `planner/hardware.py`.
 """
 
 from __future__ import annotations
@@ -45,9 +44,7 @@ from megatrain_jax.planner.hardware import Hardware
 TB = 1e12
 
 
-# -----------------------------------------------------------------------------
-# Memory.
-# -----------------------------------------------------------------------------
+# -- Memory ---------------------------------------------------------------------
 
 def device_peak(cfg: LlamaConfig, ec, batch_size: int, seq_len: int,
                 flash_attention: bool = True, deferred: bool | None = None,
@@ -138,9 +135,7 @@ def device_total(cfg, ec, batch_size: int, seq_len: int, flash_attention: bool =
   return dict(memory.device_bytes(cfg, ec, batch_size, seq_len, _platform(flash_attention)))
 
 
-# -----------------------------------------------------------------------------
-# The plan.
-# -----------------------------------------------------------------------------
+# -- The plan -------------------------------------------------------------------
 
 @dataclasses.dataclass
 class Plan:
@@ -157,6 +152,7 @@ class Plan:
   attention: str
   mlp_chunk: int | None
   host: dict[str, int]
+  disk_bytes: int  # the disk tier's state files (0: the state is in RAM)
   pinned: dict[str, int]
   device: dict[str, int]
   device_peak: int
@@ -191,7 +187,12 @@ class Plan:
             ("attention kernel", self.attention),
             ("feed-forward chunk", f"{self.mlp_chunk:,} tokens" if self.mlp_chunk
              else "whole sequence")]
-    rows += [(f"host (each): {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.host.items()]
+    rows += [("fp32 masters and optimizer state in", "disk (state files)" if self.disk_bytes
+              else "host RAM")] + [(f"host (each): {k}", f"{v / 2**30:,.2f} GiB")
+                                   for k, v in self.host.items()]
+    rows += [(f"disk: {k}", f"{v / 2**30:,.2f} GiB") for k, v in (
+        ("state files", self.disk_bytes), ("read + written per step", 2 * self.disk_bytes))
+             if self.disk_bytes]
     rows += [(f"pinned host: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.pinned.items()]
     rows += [(f"{pinned_lib.ENV} (GPU)", str(pinned_lib.limit_for(self.pinned["total"])))]
     rows += [(f"device (each): {k}", f"{v / 2**30:,.3f} GiB") for k, v in self.device.items()]
@@ -283,7 +284,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
       hardware=hw.name, batch_size=batch_size, seq_len=seq_len, hosts=hosts,
       devices_per_host=per_host, params=sum(counts),
       activations=ec.activations, recompute=ec.recompute, recompute_options=options,
-      host=host, mlp_chunk=cfg.mlp_chunk,
+      host=host, mlp_chunk=cfg.mlp_chunk, disk_bytes=cost.disk_state_bytes(cfg, ec),
       attention=layers.attention_kernel(cfg, ec.compute_dtype, False, seq_len,
                                         _platform(hw.flash_attention)),
       pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size // hosts, seq_len,
@@ -338,16 +339,18 @@ def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int,
     t["not_overlapped"] = exposed
     device = t["compute"] + t["collectives"]  # the all-reduce runs inside the backward
     if ec.prefetch_depth == 0:  # each fetch waits for the previous compute: no overlap
-      step = max(device + t["h2d"], t["d2h"], t["host_opt"]) + exposed
+      step = max(device + t["h2d"], t["d2h"], t["host_opt"], t.get("disk", 0)) + exposed
       bottleneck = "compute + h2d (no prefetch)"
     else:
-      busy = {"compute": device, "h2d": t["h2d"], "d2h": t["d2h"], "host_opt": t["host_opt"]}
+      busy = {"compute": device, "h2d": t["h2d"], "d2h": t["d2h"], "host_opt": t["host_opt"],
+              **({"disk": t["disk"]} if "disk" in t else {})}  # overlaps the backward
       step = max(busy.values()) + exposed
       bottleneck = max(busy, key=busy.get)
       if bottleneck == "compute" and t["collectives"] > 0:
         bottleneck = "compute + collectives"
   host_need = host["total"] + (dev["total"] if hw.shared else 0)
-  fits = host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes
+  fits = (host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes
+          and cost.disk_state_bytes(cfg, ec) <= hw.disk_drives * hw.disk_bytes)
   return _Evaluation(dev, fits, step, t, bottleneck, host)
 
 

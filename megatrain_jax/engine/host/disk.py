@@ -23,17 +23,13 @@ are dropped after use (`posix_fadvise`).
 from __future__ import annotations
 
 import errno
-import fcntl
-import glob
 import mmap
 import os
-import shutil
 import struct
 import zlib
 from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
-from absl import logging
 
 PAGE = 4096
 MAGIC = b"MTJXUNIT"
@@ -41,7 +37,6 @@ VERSION = 1
 # magic, version, token, unit, generation, data bytes, head bytes, head crc, crc
 _HEADER = struct.Struct("<8sI16sqqqqII")
 CHUNK = 8 << 20  # bytes per read or write call
-LOCK_NAME = "megatrain_state.lock"
 FILE_PATTERN = "unit_{:05d}.mtstate"
 
 
@@ -221,15 +216,17 @@ class UnitFile:
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-  def read(self, generation: int, head: int | None = None) -> list[np.ndarray]:
+  def read(self, generation: int, head: int | None = None,
+           buffer: np.ndarray | None = None) -> list[np.ndarray]:
     """Reads the unit's arrays and checks them against the header.
 
     Args:
       generation: the write the caller expects to find.
       head: read only the first leaves, as many as the write's `head` (None: all).
+      buffer: a page-aligned buffer to read into (None, or too small: a fresh one).
 
     Returns:
-      The arrays, views of one fresh page-aligned buffer.
+      The arrays, views of that buffer.
 
     Raises:
       DiskStateError: the file is short, of another run or unit, from another
@@ -253,7 +250,7 @@ class UnitFile:
       self._bad(f"it holds write {gen} of this unit's state, not write {generation} "
                 "(a write was lost)")
     size = self.layout.data_bytes if head is None else head_bytes
-    data = aligned_buffer(size)
+    data = buffer if buffer is not None and buffer.size >= size else aligned_buffer(size)
     for at in range(0, size, CHUNK):
       self._pread(data[at:min(at + CHUNK, size)], PAGE + at)
     if zlib.crc32(data[:size]) != (crc if head is None else head_crc):
@@ -306,94 +303,3 @@ class UnitFile:
           os.unlink(self.path)
         except FileNotFoundError:
           pass
-
-
-def state_dirs(state_dir: str | Sequence[str]) -> list[str]:
-  """The directories of `EngineConfig.state_dir` ("a" or "a,b" or a list).
-
-  Args:
-    state_dir: one directory, several joined by commas, or a sequence.
-
-  Returns:
-    The directories, in order.
-
-  Raises:
-    ValueError: none given.
-  """
-  dirs = state_dir.split(",") if isinstance(state_dir, str) else list(state_dir)
-  dirs = [os.path.abspath(os.path.expanduser(d.strip())) for d in dirs if d and d.strip()]
-  if not dirs:
-    raise ValueError("state_tier='disk' needs state_dir: a directory on a fast disk "
-                     "(several, comma-separated, to stripe over drives).")
-  return dirs
-
-
-def check_space(dirs: Sequence[str], need: Sequence[int]) -> None:
-  """Refuses directories that are missing, not writable, or too small for their files.
-
-  Args:
-    dirs: the state directories.
-    need: bytes each will hold.
-
-  Raises:
-    DiskStateError: what is wrong, naming the directory and the bytes.
-  """
-  for d, n in zip(dirs, need):
-    if not os.path.isdir(d):
-      raise DiskStateError(2, f"The state directory {d} does not exist: create it, or "
-                           "set state_dir to a directory on a fast disk.")
-    if not os.access(d, os.W_OK | os.X_OK):
-      raise DiskStateError(13, f"The state directory {d} is not writable: set state_dir "
-                           "to a directory this process may write.")
-    # Files of an earlier run in it are replaced, so their bytes count as free.
-    old = sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "unit_*.mtstate")))
-    free = shutil.disk_usage(d).free + old
-    if n > free:
-      raise DiskStateError(28, f"The state directory {d} needs {n / 2**30:.2f} GiB for "
-                           f"the optimizer state and has {free / 2**30:.2f} GiB free. Free "
-                           "space, or name more directories (comma-separated) to stripe "
-                           "over.")
-
-
-def lock_dir(d: str) -> int:
-  """Takes a state directory for this process (an exclusive `flock` on a file in it).
-
-  Args:
-    d: the directory.
-
-  Returns:
-    The lock's file descriptor (closing it releases the directory).
-
-  Raises:
-    DiskStateError: the directory is not writable, or another process holds it.
-  """
-  try:
-    fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
-  except OSError as e:
-    raise DiskStateError(e.errno, f"The state directory {d} is not writable "
-                         f"({e.strerror}): set state_dir to a directory this process "
-                         "may write.") from e
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except OSError as e:
-    os.close(fd)
-    raise DiskStateError(e.errno, f"The state directory {d} is in use by another "
-                         "training process: give each run its own state_dir.") from e
-  stale = glob.glob(os.path.join(d, "unit_*.mtstate"))
-  if stale:
-    logging.info("Disk tier: %d state files of an earlier run in %s are replaced.",
-                 len(stale), d)
-  return fd
-
-
-def remove_files(files: list[UnitFile], locks: list[int]) -> None:
-  """Removes a closed store's files and releases its directories.
-
-  Args:
-    files: the unit files.
-    locks: the directories' lock descriptors.
-  """
-  for f in files:
-    f.close(remove=True)
-  for fd in locks:
-    os.close(fd)

@@ -1,19 +1,13 @@
-"""The disk tier: each unit's fp32 master and optimizer state in files, read ahead of
-its update and written back behind it (`EngineConfig(state_tier="disk")`).
+"""The disk tier: each unit's fp32 master and optimizer state in a file (`host.disk`),
+read ahead of its update and written back behind it (`EngineConfig(state_tier="disk")`).
 
-Host RAM keeps the compute-dtype streaming copies (which every fetch reads), the
-frozen elements, the gradient accumulators (4 bytes per trained parameter while a
-step has more micro-batches to go), a whole-tree transform's own state, and the
-states of at most `depth` units being read and `depth` being written. Each unit's
-state is a file (`host.disk`), in the state directories in turn (striped).
-
-An update takes its unit's state when its gradient is on the host. Reads run ahead
-in the order the updates came in the last step (the backward's: head first, the
-embedding last; before the first step, that order is assumed), `depth` units ahead,
-on I/O threads, so the disk works while the accelerator computes; a write starts as
-soon as an update puts the new state back, and an update waits only when `depth`
-writes are still going. A unit whose read was not ahead of its update (a different
-order) is read then, and counted (`misses`).
+RAM keeps the compute-dtype copies, the frozen elements, the gradient accumulators, a
+whole-tree transform's state, and at most `depth` units' states read ahead, the one
+being updated and `depth` being written. Reads follow the order the last step's
+updates came in (the backward's before the first step), wrapping to the next step's
+first units; a unit not read ahead is read when its update asks (`misses`). Each
+unit's file is in the state directories in turn (striped). docs/engine.md, "The disk
+tier", says what this costs and guarantees.
 """
 
 from __future__ import annotations
@@ -21,15 +15,16 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import threading
-import time
 import weakref
 from typing import Any, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, UnitFile, \
-    aligned_buffer, check_space, lock_dir, remove_files, state_dirs
+from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, UnitFile
+from megatrain_jax.engine.host.disk_support import Buffers, Busy, check_space, lock_dir, \
+    remove_files, state_dirs
 from megatrain_jax.engine.host.flat import FlatSpec, split_master
 from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
@@ -87,23 +82,29 @@ class DiskStore(HostStore):
     self._writes: dict[int, concurrent.futures.Future] = {}
     self._taken: set[int] = set()  # in an update: their files are about to be replaced
     self._uncopied: set[int] = set()  # put, their streaming copy not yet cast from RAM
-    self._bounces: list[np.ndarray] = []
+    self._buffers = Buffers()
     self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk")
     self._order = list(range(n - 1, -1, -1))  # updates come head first
     self._seen: list[int] = []
     self._n_trained = sum(1 for t in self.trained if t.size)
     self._failed: BaseException | None = None
-    self.misses, self.read_bytes, self.write_bytes, self.io_s = 0, 0, 0, 0.0
+    self.misses, self.read_bytes, self.write_bytes = 0, 0, 0
+    self.busy = {"read": Busy(), "write": Busy(), "any": Busy()}
     whole = updater.mode == "whole_tree"
     kept = []
-    for u, master in enumerate(masters):  # one unit in RAM at a time
-      flat, frozen = split_master(master, self.specs[u])
-      del master
-      parts = tuple(self._put(flat[lo:hi], np.float32) for lo, hi in self.bounds[u])
-      self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
-      del flat, frozen
-      self._write_now(u, UnitState(parts, updater.init(self.trained[u], parts)))
-      kept.append(parts[0] if whole else None)
+    try:
+      for u, master in enumerate(masters):  # one unit in RAM at a time
+        flat, frozen = split_master(master, self.specs[u])
+        del master
+        parts = tuple(self._put(flat[lo:hi], np.float32) for lo, hi in self.bounds[u])
+        self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
+        del flat, frozen
+        self._write_now(u, UnitState(parts, updater.init(self.trained[u], parts)))
+        kept.append(parts[0] if whole else None)
+    except BaseException:
+      self._pool.shutdown(wait=True)
+      self._finalizer()  # no files or locks left behind
+      raise
     # A whole-tree transform's state is the tree's, made from every master at once.
     self.shared = updater.init_shared(self.trained, kept) if whole else None
     del kept
@@ -127,15 +128,14 @@ class DiskStore(HostStore):
     t = self._templates[u]
     k = len(t.master)
     leaves, treedef = jax.tree.flatten(t.opt)
-    put = lambda a: jax.device_put(a, self.sharding)  # zero-copy: the read's buffer
-    return UnitState(tuple(put(a) for a in arrays[:k]),
-                     treedef.unflatten([put(a) for a in arrays[k:k + len(leaves)]]))
+    # Copies the update owns (and so updates in place, donated), done before the read
+    # buffer is reused: on the I/O thread, not the update's.
+    put = lambda a: jnp.array(a, copy=True, device=self.sharding)
+    st = UnitState(tuple(put(a) for a in arrays[:k]),
+                   treedef.unflatten([put(a) for a in arrays[k:k + len(leaves)]]))
+    return jax.block_until_ready(st)
 
   # -- I/O -----------------------------------------------------------------------
-
-  def _bounce(self) -> np.ndarray:
-    with self._cv:
-      return self._bounces.pop() if self._bounces else aligned_buffer(CHUNK)
 
   def _write_now(self, u: int, st: UnitState) -> None:
     self._gen[u] += 1
@@ -143,14 +143,9 @@ class DiskStore(HostStore):
     self._write(u, st, self._gen[u])
 
   def _write(self, u: int, st: UnitState, gen: int) -> None:
-    t0, bounce = time.perf_counter(), self._bounce()
-    try:
-      self._files[u].write([np.asarray(x) for x in self._leaves(st)], gen, bounce,
-                           head=len(st.master))
-    finally:
-      with self._cv:
-        self._bounces.append(bounce)
-        self.io_s += time.perf_counter() - t0
+    arrays = [np.asarray(x) for x in self._leaves(st)]
+    with self._buffers(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
+      self._files[u].write(arrays, gen, bounce, head=len(st.master))
 
   def _file(self, u: int) -> UnitFile:
     if not self._finalizer.alive:
@@ -159,12 +154,12 @@ class DiskStore(HostStore):
     return self._files[u]
 
   def _read(self, u: int, gen: int | None = None) -> UnitState:
-    t0 = time.perf_counter()
-    st = self._from_leaves(u, self._file(u).read(self._gen[u] if gen is None else gen))
-    with self._cv:
-      self.read_bytes += self.layouts[u].file_bytes
-      self.io_s += time.perf_counter() - t0
-    return st
+    with self._buffers(self.layouts[u].data_bytes) as buf:
+      with self.busy["read"](), self.busy["any"]():
+        arrays = self._file(u).read(self._gen[u] if gen is None else gen, buffer=buf)
+      with self._cv:
+        self.read_bytes += self.layouts[u].file_bytes
+      return self._from_leaves(u, arrays)  # copies: the buffer is free after
 
   def _read_ahead(self, units) -> None:
     """Starts reading these units' states, unless in RAM, on their way, or being written
@@ -313,10 +308,11 @@ class DiskStore(HostStore):
     if write is not None:
       write.result()
     k = len(self._templates[u].master)
-    views = self._file(u).read(self._gen[u], head=k)
+    with self.busy["read"](), self.busy["any"]():
+      views = self._file(u).read(self._gen[u], head=k)
     with self._cv:
       self.read_bytes += sum(v.nbytes for v in views)
-    return tuple(jax.device_put(v, self.sharding) for v in views)
+    return tuple(jnp.array(v, copy=True, device=self.sharding) for v in views)
 
   # -- reads and writes outside the update path (checkpoints, params) -------------
 
@@ -372,11 +368,13 @@ class DiskStore(HostStore):
 
     Returns:
       "read_bytes", "write_bytes" (queued), "read_misses" (updates that waited for
-      a read started then), "io_s" (the I/O threads' time), "file_bytes", "dirs".
+      a read started then), "read_busy_s", "write_busy_s" and "busy_s" (wall time
+      with at least one read, write, or either under way), "file_bytes", "dirs".
     """
     with self._cv:
       return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
-              "read_misses": self.misses, "io_s": self.io_s,
+              "read_misses": self.misses, "read_busy_s": self.busy["read"].seconds,
+              "write_busy_s": self.busy["write"].seconds, "busy_s": self.busy["any"].seconds,
               "file_bytes": self.disk_bytes(), "dirs": list(self.dirs)}
 
   def close(self) -> None:

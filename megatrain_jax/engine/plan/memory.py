@@ -69,6 +69,25 @@ def leaf_flags(cfg: LlamaConfig, trainable) -> tuple[tuple[bool, ...], ...] | No
   return None if masks is None else tuple(tuple(jax.tree.leaves(m)) for m in masks)
 
 
+def disk_state_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+                     ec: EngineConfig, trainable=None) -> int:
+  """Bytes of the state files of a run with `state_tier="disk"`: each unit's master
+  and optimizer state (the files' page padding apart).
+
+  Args:
+    cfg: the model.
+    optimizer: the transform the engine runs.
+    ec: the engine config.
+    trainable: as the trainers' `trainable=`.
+
+  Returns:
+    The bytes.
+  """
+  flags = leaf_flags(cfg, trainable)
+  r = resolve_for_config(optimizer, cfg, ec.optimizer_mode, flags)
+  return 4 * sum(_trained_sizes(cfg, flags)) + sum(_state_bytes(cfg, r.optimizer, flags))
+
+
 def snapshot_copy_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                         ec: EngineConfig, max_copies: int = 1, trainable=None) -> int:
   """The most bytes the updates copy for a checkpoint writer still at work.
@@ -113,7 +132,10 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   Returns:
     masters: fp32 parameters that train. frozen_params: the others, in
     `EngineConfig.frozen_dtype` (present when some are frozen). optimizer_state: the transform's state (from
-    `optimizer.init` traced on the unit shapes). gradient_buffers: fp32
+    `optimizer.init` traced on the unit shapes). With `state_tier="disk"` (unless the
+    transform is whole-tree) both are 0 and state_in_flight counts the units' state
+    in RAM at once: `state_in_flight` read ahead, one updating, as many written behind
+    (the largest units' states, at most). gradient_buffers: fp32
     accumulators of the whole model when updates wait for the sweep or
     grad_accum > 1, plus the gradients queued between the threads.
     pinned_copies: the compute-dtype copy of every unit plus one being replaced,
@@ -140,6 +162,11 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
       "pinned_copies": cd * (n + max(counts)) if sizes.keeps_stream_copy(ec, on_cpu) else 0,
       "checkpoint_copies": 2 * copies,
   }
+  if ec.state_tier == "disk" and r.mode != "whole_tree":
+    # On disk; in RAM only the units read ahead, in an update, and written behind.
+    out["masters"] = out["optimizer_state"] = 0
+    per_unit = sorted((4 * t + s for t, s in zip(trained, states)), reverse=True)
+    out["state_in_flight"] = sum(per_unit[:2 * ec.state_in_flight + 1])
   if nt < n:
     out["frozen_params"] = (n - nt) * jnp.dtype(ec.frozen_dtype_name).itemsize
   if batch_size is not None:

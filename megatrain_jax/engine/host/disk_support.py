@@ -1,0 +1,166 @@
+"""The disk tier's directories (their checks and locks), its reused buffers, and the
+time its disk is busy (`host.disk` has the files themselves)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import os
+import shutil
+import threading
+import time
+from typing import Iterator, Sequence
+
+import numpy as np
+from absl import logging
+
+from megatrain_jax.engine.host.disk import DiskStateError, UnitFile, aligned_buffer
+
+LOCK_NAME = "megatrain_state.lock"
+
+
+class Busy:
+  """Wall time during which at least one operation of a kind was under way (the
+  time the disk was busy with them, however many ran at once).
+
+  Attributes:
+    seconds: the total so far.
+  """
+
+  def __init__(self):
+    self._lock, self._n, self._since, self.seconds = threading.Lock(), 0, 0.0, 0.0
+
+  @contextlib.contextmanager
+  def __call__(self):
+    """Counts the block as one operation under way."""
+    with self._lock:
+      if self._n == 0:
+        self._since = time.perf_counter()
+      self._n += 1
+    try:
+      yield
+    finally:
+      with self._lock:
+        self._n -= 1
+        if self._n == 0:
+          self.seconds += time.perf_counter() - self._since
+
+
+class Buffers:
+  """Page-aligned buffers by size, reused: a fresh mapping would fault its pages in
+  again at every read or write."""
+
+  def __init__(self):
+    self._lock, self._free = threading.Lock(), {}
+
+  @contextlib.contextmanager
+  def __call__(self, nbytes: int) -> Iterator[np.ndarray]:
+    """A buffer of `nbytes` for the block, given back after it.
+
+    Args:
+      nbytes: its size.
+
+    Yields:
+      The buffer.
+    """
+    with self._lock:
+      pool = self._free.setdefault(nbytes, [])
+      buf = pool.pop() if pool else None
+    buf = aligned_buffer(nbytes) if buf is None else buf
+    try:
+      yield buf
+    finally:
+      with self._lock:
+        pool.append(buf)
+
+
+def state_dirs(state_dir: str | Sequence[str]) -> list[str]:
+  """The directories of `EngineConfig.state_dir` ("a" or "a,b" or a list).
+
+  Args:
+    state_dir: one directory, several joined by commas, or a sequence.
+
+  Returns:
+    The directories, in order.
+
+  Raises:
+    ValueError: none given.
+  """
+  dirs = state_dir.split(",") if isinstance(state_dir, str) else list(state_dir)
+  dirs = [os.path.abspath(os.path.expanduser(d.strip())) for d in dirs if d and d.strip()]
+  if not dirs:
+    raise ValueError("state_tier='disk' needs state_dir: a directory on a fast disk "
+                     "(several, comma-separated, to stripe over drives).")
+  return dirs
+
+
+def check_space(dirs: Sequence[str], need: Sequence[int]) -> None:
+  """Refuses directories that are missing, not writable, or too small for their files.
+
+  Args:
+    dirs: the state directories.
+    need: bytes each will hold.
+
+  Raises:
+    DiskStateError: what is wrong, naming the directory and the bytes.
+  """
+  for d, n in zip(dirs, need):
+    if not os.path.isdir(d):
+      raise DiskStateError(2, f"The state directory {d} does not exist: create it, or "
+                           "set state_dir to a directory on a fast disk.")
+    if not os.access(d, os.W_OK | os.X_OK):
+      raise DiskStateError(13, f"The state directory {d} is not writable: set state_dir "
+                           "to a directory this process may write.")
+    # Files of an earlier run in it are replaced, so their bytes count as free.
+    old = sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "unit_*.mtstate")))
+    free = shutil.disk_usage(d).free + old
+    if n > free:
+      raise DiskStateError(28, f"The state directory {d} needs {n / 2**30:.2f} GiB for "
+                           f"the optimizer state and has {free / 2**30:.2f} GiB free. Free "
+                           "space, or name more directories (comma-separated) to stripe "
+                           "over.")
+
+
+def lock_dir(d: str) -> int:
+  """Takes a state directory for this process (an exclusive `flock` on a file in it).
+
+  Args:
+    d: the directory.
+
+  Returns:
+    The lock's file descriptor (closing it releases the directory).
+
+  Raises:
+    DiskStateError: the directory is not writable, or another process holds it.
+  """
+  try:
+    fd = os.open(os.path.join(d, LOCK_NAME), os.O_RDWR | os.O_CREAT, 0o600)
+  except OSError as e:
+    raise DiskStateError(e.errno, f"The state directory {d} is not writable "
+                         f"({e.strerror}): set state_dir to a directory this process "
+                         "may write.") from e
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except OSError as e:
+    os.close(fd)
+    raise DiskStateError(e.errno, f"The state directory {d} is in use by another "
+                         "training process: give each run its own state_dir.") from e
+  stale = glob.glob(os.path.join(d, "unit_*.mtstate"))
+  if stale:
+    logging.info("Disk tier: %d state files of an earlier run in %s are replaced.",
+                 len(stale), d)
+  return fd
+
+
+def remove_files(files: list[UnitFile], locks: list[int]) -> None:
+  """Removes a closed store's files and releases its directories.
+
+  Args:
+    files: the unit files.
+    locks: the directories' lock descriptors.
+  """
+  for f in files:
+    f.close(remove=True)
+  for fd in locks:
+    os.close(fd)
