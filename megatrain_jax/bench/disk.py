@@ -16,7 +16,8 @@ from megatrain_jax.bench.host_memory import host_memory_run
 from megatrain_jax.bench.suite import Suite
 from megatrain_jax.bench.timing import median_times, synthetic_batch
 from megatrain_jax.engine import EngineConfig, StreamingTrainer
-from megatrain_jax.engine.host.disk import CHUNK, FileLayout, UnitFile, aligned_buffer
+from megatrain_jax.engine.host.disk import CHUNK, FileLayout, UnitFile
+from megatrain_jax.engine.host.disk_support import Buffers
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.optim import adamw
 
@@ -42,14 +43,18 @@ def disk_seconds(layouts: list[FileLayout], state_dir: str, threads: int,
   rng = np.random.default_rng(0)
   data = [[rng.random(leaf.nbytes // 4 or 1, np.float32)[:leaf.nbytes // 4]
            for leaf in lay.leaves] for lay in layouts]
-  bounces = [aligned_buffer(CHUNK) for _ in range(threads)]
+  buffers = Buffers()
+
+  def write(u, r):
+    with buffers(CHUNK) as bounce:
+      files[u].write(data[u], r + 1, bounce)
+
   times: dict[str, list[float]] = {"write": [], "read": []}
   try:
     with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       for r in range(reps):
         t0 = time.perf_counter()
-        list(pool.map(lambda u: files[u].write(data[u], r + 1, bounces[u % threads]),
-                      range(len(files))))
+        list(pool.map(lambda u, r=r: write(u, r), range(len(files))))
         t1 = time.perf_counter()
         list(pool.map(lambda u: files[u].read(r + 1), range(len(files))))
         times["write"].append(t1 - t0)
