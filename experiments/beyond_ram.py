@@ -8,8 +8,8 @@ Sizes a model (d_model 3072, the byte vocabulary) so that its training state in 
 (fp32 masters and AdamW moments, as the planner counts the host tier) needs
 `--ram_factor` times this machine's RAM, trains `--steps` steps of one sequence with the
 state on disk (`state_tier="disk"`, bf16 compute), and logs the peak RSS, the state
-files' bytes and each step's time beside what the disk, the link and the host update
-spent in it. With `--checkpoint_dir` it then saves, takes one more step, and checks that
+files' bytes and each step's time beside the disk's busy time, the prefetcher's and the
+gradient thread's time and the host update's. With `--checkpoint_dir` it then saves, takes one more step, and checks that
 a new trainer restored from the save takes that step with the same loss. A checkpoint
 is as large as the state files: the disk needs room for both. docs/performance.md,
 "Beyond this machine's RAM", has a run.
@@ -87,11 +87,12 @@ def main(argv):
     store.flush()
     dt, after, last = time.perf_counter() - t0, store.io_stats(), trainer.stats()["last_step"]
     logging.info("step %d: loss %.4f, %.1f s; disk busy %.1f s (%.1f GiB read, %.1f GiB "
-                 "written), link %.1f s, host update %.1f s; peak RSS %.2f GiB", i + 1,
+                 "written); fetches issued %.1f s; gradient thread %.1f s (its wait for "
+                 "the compute included); host update %.1f s; peak RSS %.2f GiB", i + 1,
                  float(out["loss"]), dt, after["busy_s"] - before["busy_s"],
                  (after["read_bytes"] - before["read_bytes"]) / 2**30,
                  (after["write_bytes"] - before["write_bytes"]) / 2**30,
-                 last["h2d_s"] + last["d2h_s"], last["host_opt_s"], peak_rss_bytes() / 2**30)
+                 last["h2d_s"], last["d2h_s"], last["host_opt_s"], peak_rss_bytes() / 2**30)
     if not np.isfinite(float(out["loss"])):
       raise FloatingPointError(f"Loss {float(out['loss'])} at step {i + 1}.")
   if FLAGS.checkpoint_dir:

@@ -365,7 +365,10 @@ class Runtime:
     # Entries a failed step left (its activations, gradients never sent): nothing
     # of this runtime is on the device any more.
     self.ledger.clear()
-    self.host_opt.close()
+    try:
+      self.host_opt.close()  # the disk tier's last writes
+    except BaseException as e:  # pylint: disable=broad-except
+      error = error or e
     return error
 
 
