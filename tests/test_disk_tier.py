@@ -328,3 +328,16 @@ def test_disk_calibration_writes_and_reads_the_layouts(tmp_path):
   layouts = [disk.FileLayout.of([((3000,), "float32"), ((), "int32")])] * 3
   write_s, read_s = bench_disk.disk_seconds(layouts, str(tmp_path), threads=2, reps=2)
   assert write_s > 0 and read_s > 0 and not os.listdir(tmp_path)
+
+
+def test_units_that_are_not_the_configs_are_refused(tmp_path):
+  from megatrain_jax.engine.build import host_units
+  units = list(host_units(CFG, jax.random.key(0)))
+  make = lambda trees: mt.StreamingTrainer.from_units(CFG, mt.optim.adamw(1e-2),
+                                                      _disk(tmp_path), iter(trees))
+  with pytest.raises(ValueError, match=r"Expected 5 units \(embed, 3 blocks, head\), got 4"):
+    make(units[:-1])
+  with pytest.raises(ValueError, match="got more"):
+    make(units + [units[-1]])
+  with pytest.raises(ValueError, match="Unit 4's parameters do not have the layout"):
+    make(units[:-1] + [units[1]])

@@ -158,7 +158,8 @@ def _flat_masters(unit_trees: Iterable[Any], specs: list[FlatSpec], spec_of: Cal
   the layout the config gives it."""
   n = 0
   for u, tree in enumerate(unit_trees):
-    _check_count(u + 1, len(specs) - 2, more_only=True)
+    if u >= len(specs):
+      _check_count(u + 1, len(specs) - 2)
     if spec_of(u, tree) != specs[u]:
       raise ValueError(f"Unit {u}'s parameters do not have the layout the model config "
                        "gives it: the units must be the config's (embed, each block, "
@@ -169,12 +170,11 @@ def _flat_masters(unit_trees: Iterable[Any], specs: list[FlatSpec], spec_of: Cal
   _check_count(n, len(specs) - 2)
 
 
-def _check_count(n: int, layers: int, more_only: bool = False) -> None:
-  """Refuses a number of unit trees that is not the model's (with `more_only`, only
-  more of them)."""
-  if n > layers + 2 or (n != layers + 2 and not more_only):
+def _check_count(n: int, layers: int) -> None:
+  """Refuses a number of unit trees that is not the model's."""
+  if n != layers + 2:
     raise ValueError(f"Expected {layers + 2} units (embed, {layers} blocks, head), got "
-                     f"{'more' if more_only else n}.")
+                     f"{'more' if n > layers + 2 else n}.")
 
 
 def _transport(ec: EngineConfig) -> Transport:

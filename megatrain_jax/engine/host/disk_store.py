@@ -52,17 +52,8 @@ class DiskStore(HostStore):
     Raises:
       DiskStateError: a directory is missing, read-only, too small or in use.
     """
-    self.updater = updater
-    self.specs = list(specs)
-    self.trained = [s.trained() for s in self.specs]
-    self.sharding = jax.sharding.SingleDeviceSharding(host_device)
-    self.bounds = [updater.bounds(s.train_size) for s in self.specs]
-    self._before_donate = None
-    self._jits = {}
+    self._layout(updater, specs, host_device)
     self.depth, self.dirs = depth, state_dirs(state_dir)
-    self.accum = [None] * len(self.specs)
-    self.frozen = []
-    self._frozen_sums = [None] * len(self.specs)
     n = len(self.specs)
     self._templates = [self._template(u) for u in range(n)]
     self.layouts = [FileLayout.of((x.shape, x.dtype) for x in self._leaves(t))
@@ -191,7 +182,7 @@ class DiskStore(HostStore):
       u: the unit.
 
     Returns:
-      Its `UnitState` (host arrays over the read's buffer).
+      Its `UnitState` (host arrays the update may donate).
 
     Raises:
       DiskStateError: its file is damaged, or an earlier write failed.

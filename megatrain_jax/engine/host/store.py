@@ -134,25 +134,31 @@ class HostStore(StateStore):
       host_device: the CPU device the state lives on.
       frozen_dtype: the dtype frozen elements are kept in.
     """
-    self.updater = updater
-    self.specs = list(specs)
-    self.trained = [s.trained() for s in self.specs]
-    self.sharding = jax.sharding.SingleDeviceSharding(host_device)
-    self.bounds = [updater.bounds(s.train_size) for s in self.specs]
-    self._before_donate: Callable[[Sequence[Any]], None] | None = None
+    self._layout(updater, specs, host_device)
     self.parts: list[tuple[jax.Array, ...]] = []
-    self.frozen: list[jax.Array | None] = []
     for u, (spec, bounds) in enumerate(zip(self.specs, self.bounds)):
       flat, frozen = split_master(masters[u], spec)
       self.parts.append(tuple(self._put(flat[lo:hi], np.float32) for lo, hi in bounds))
       self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
       if isinstance(masters, list):
         masters[u] = None  # its parts hold it now: never two copies of the model
-    self._frozen_sums: list[int | None] = [None] * len(self.specs)
     self.states = [updater.init(t, p) for t, p in zip(self.trained, self.parts)]
     self.shared = updater.init_shared(self.trained, [p[0] for p in self.parts])
-    self.accum: list[jax.Array | None] = [None] * len(self.specs)
+
+  def _layout(self, updater: UnitUpdater, specs: Sequence[FlatSpec],
+              host_device: jax.Device) -> None:
+    """What every store holds whatever its tier: the layouts, the parts each master
+    splits into, and empty lists of frozen elements, their checksums and the
+    gradient accumulators."""
+    self.updater, self.specs = updater, list(specs)
+    self.trained = [s.trained() for s in self.specs]
+    self.sharding = jax.sharding.SingleDeviceSharding(host_device)
+    self.bounds = [updater.bounds(s.train_size) for s in self.specs]
+    self._before_donate: Callable[[Sequence[Any]], None] | None = None
     self._jits: dict[Any, Callable] = {}
+    self.frozen: list[jax.Array | None] = []
+    self._frozen_sums: list[int | None] = [None] * len(self.specs)
+    self.accum: list[jax.Array | None] = [None] * len(self.specs)
 
   def _put(self, x, dtype) -> jax.Array:
     return jax.device_put(np.asarray(x, dtype), self.sharding)
