@@ -1,9 +1,10 @@
 """megatrain_jax: full-precision LLM training on one accelerator with host offload.
 
 `import megatrain_jax as mt` gives the models, both trainers and the engine
-(`mt.Llama`, `mt.StreamingTrainer`, ...), and the modules that pull in more
+(`mt.Llama`, `mt.StreamingTrainer`, ...), generation (`mt.generate`, in
+`megatrain_jax.generation`), and the modules that pull in more
 (`mt.hf`, `mt.checkpoint`, `mt.planner`, `mt.train`, `mt.bench`, `mt.figures`,
-`mt.lora`). Everything loads on first use: importing the package itself imports
+`mt.lora`, `mt.rl`). Everything loads on first use: importing the package itself imports
 neither JAX nor NumPy, so a launcher can set up its process first
 (`megatrain_jax.launch`).
 """
@@ -20,10 +21,10 @@ _NAMES = {
     "ResidentTrainer": "megatrain_jax.resident", "Trainer": "megatrain_jax.protocol",
     "DeviceTransport": "megatrain_jax.engine", "EngineConfig": "megatrain_jax.engine",
     "MeshTransport": "megatrain_jax.engine", "SimulatedLink": "megatrain_jax.engine",
-    "StreamingTrainer": "megatrain_jax.engine",
+    "StreamingTrainer": "megatrain_jax.engine", "generate": "megatrain_jax.generation",
 }
 _MODULES = ("data", "engine", "metrics", "models", "optim", "hf", "checkpoint", "planner",
-            "train", "bench", "figures", "lora", "launch")
+            "train", "bench", "figures", "lora", "launch", "rl")
 
 
 def __getattr__(name):

@@ -15,7 +15,8 @@ from megatrain_jax.models.batch import check_batch
 from megatrain_jax.models.llama import Llama
 from megatrain_jax.models import lora
 from megatrain_jax.models import trainable as trainable_lib
-from megatrain_jax.models.loss import model_loss
+from megatrain_jax.models.loss import model_logprobs, model_loss_and_metrics
+from megatrain_jax.models.policy import POLICY_KEYS, PolicyLoss, check_keys
 from megatrain_jax.models.trainable import Filter
 
 
@@ -30,7 +31,8 @@ class ResidentTrainer:
 
   def __init__(self, model: Llama, optimizer: optax.GradientTransformation,
                remat: bool = False, compute_dtype=jnp.float32,
-               loss_chunk_tokens: int | None = None, *, trainable: Filter = None):
+               loss_chunk_tokens: int | None = None, *, trainable: Filter = None,
+               loss: PolicyLoss | None = None):
     """Copies `model`'s parameters onto the device.
 
     Args:
@@ -40,12 +42,15 @@ class ResidentTrainer:
       compute_dtype: the dtype the blocks compute in.
       loss_chunk_tokens: tokens per chunk of logits in the loss (None: the default).
       trainable: which parameters train, as `StreamingTrainer`'s (None: all).
+      loss: None for masked cross-entropy, or a policy-gradient loss
+        (`mt.rl.PolicyLoss`), as `StreamingTrainer`'s.
     """
     self.cfg = model.cfg
     self.optimizer = optimizer
     self.remat = remat
     self.compute_dtype = compute_dtype
     self._chunk = loss_chunk_tokens
+    self.loss = loss
     params = jax.tree.map(lambda a: jnp.array(a, copy=True), model.param_tree())
     self._mask = None if trainable is None else trainable_lib.mask(model, trainable)
     self._params, self._frozen = (params, None) if self._mask is None else \
@@ -53,20 +58,24 @@ class ResidentTrainer:
     self._opt_state = optimizer.init(self._params)
     self._step_count = 0
     self._jit_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
-    self._jit_grad = jax.jit(jax.value_and_grad(self._loss))
-    self._jit_eval = jax.jit(lambda params, frozen, batch: model_loss(
+    self._jit_grad = jax.jit(jax.value_and_grad(self._loss, has_aux=True))
+    self._jit_eval = jax.jit(lambda params, frozen, batch: model_loss_and_metrics(
         self.cfg, self._whole(params, frozen), batch, self.compute_dtype, self._chunk,
-        aux=False))
+        aux=False, policy=loss))
+    self._jit_logprobs = jax.jit(lambda params, frozen, batch: model_logprobs(
+        self.cfg, self._whole(params, frozen), batch, self.compute_dtype, self._chunk))
 
   def _whole(self, params, frozen):
     return params if self._mask is None else trainable_lib.merge(params, frozen, self._mask)
 
   def _loss(self, params, frozen, batch, keys=None):
-    return model_loss(self.cfg, self._whole(params, frozen), batch, self.compute_dtype,
-                      self._chunk, self.remat, keys)
+    return model_loss_and_metrics(self.cfg, self._whole(params, frozen), batch,
+                                  self.compute_dtype, self._chunk, self.remat, keys,
+                                  policy=self.loss)
 
   def _step_fn(self, params, opt_state, frozen, batch, keys):
-    loss, grads = jax.value_and_grad(self._loss)(params, frozen, batch, keys)
+    (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
+        params, frozen, batch, keys)
     updates, new_state = self.optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     grad_norm = optax.global_norm(grads)
@@ -74,7 +83,7 @@ class ResidentTrainer:
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jnp.where(ok, new, old)
     return (jax.tree.map(keep, new_params, params), jax.tree.map(keep, new_state, opt_state),
-            {"loss": loss, "grad_norm": grad_norm})
+            {"loss": loss, "grad_norm": grad_norm, **metrics})
 
   def step(self, batch: dict[str, Any], key: jax.Array | None = None) -> dict[str, float]:
     """One step; a non-finite loss or gradient raises FloatingPointError and
@@ -87,15 +96,15 @@ class ResidentTrainer:
 
     Returns:
       {"loss", "grad_norm", "tokens"}: the loss, the gradient's global norm and the
-      loss mask's sum.
+      loss mask's sum; a policy loss adds its metrics (`StreamingTrainer.step`).
 
     Raises:
       FloatingPointError: the loss or the gradient norm is NaN or infinite.
       TypeError: the batch is not a mapping (see `check_batch`).
-      ValueError: a malformed batch (see `check_batch`), or LoRA dropout without
-        a key.
+      ValueError: a malformed batch (see `check_batch`), keys that do not suit
+        the loss, or LoRA dropout without a key.
     """
-    batch = check_batch(self.cfg, batch)
+    batch = self._check(batch)
     lora.check_key(self.cfg.lora, key)
     self._params, self._opt_state, metrics = self._jit_step(
         self._params, self._opt_state, self._frozen, batch, self._keys(batch, key))
@@ -116,12 +125,32 @@ class ResidentTrainer:
       batch: the batch, in the format of `check_batch` (no LoRA dropout).
 
     Returns:
-      {"loss": the mean loss over the masked tokens, without an MoE model's
-      load-balancing loss; "tokens": their count}.
+      {"loss": the loss (cross-entropy's: the mean over the masked tokens),
+      without an MoE model's load-balancing loss; "tokens": the masked tokens'
+      count}, and a policy loss's metrics.
     """
+    batch = self._check(batch)
+    loss, metrics = self._jit_eval(self._params, self._frozen, batch)
+    return {"loss": float(loss), "tokens": float(batch["loss_mask"].sum()),
+            **{k: float(v) for k, v in metrics.items()}}
+
+  def logprobs(self, batch: dict[str, Any]) -> np.ndarray:
+    """Each label's log-probability at the current parameters; nothing changes.
+
+    Args:
+      batch: the batch, in the format of `check_batch` (a policy loss's keys may be
+        absent).
+
+    Returns:
+      float32 [B, T]: log softmax(logits)[label] at each position.
+    """
+    batch = check_batch(self.cfg, {k: v for k, v in batch.items() if k not in POLICY_KEYS})
+    return np.asarray(self._jit_logprobs(self._params, self._frozen, batch))
+
+  def _check(self, batch):
     batch = check_batch(self.cfg, batch)
-    loss = self._jit_eval(self._params, self._frozen, batch)
-    return {"loss": float(loss), "tokens": float(batch["loss_mask"].sum())}
+    check_keys(self.loss, batch)
+    return batch
 
   def loss_and_grads(self, batch: dict[str, Any], key: jax.Array | None = None):
     """(loss, gradient tree as numpy) at the current parameters; no update.
@@ -130,9 +159,10 @@ class ResidentTrainer:
       batch: the batch, in the format of `check_batch`.
       key: as `step`.
     """
-    batch = check_batch(self.cfg, batch)
+    batch = self._check(batch)
     lora.check_key(self.cfg.lora, key)
-    loss, grads = self._jit_grad(self._params, self._frozen, batch, self._keys(batch, key))
+    (loss, _), grads = self._jit_grad(self._params, self._frozen, batch,
+                                      self._keys(batch, key))
     return float(loss), jax.tree.map(np.asarray, grads)
 
   def _keys(self, batch, key):

@@ -133,9 +133,9 @@ def template_times(s: Suite) -> dict[str, Any]:
         inputs.append(x)
         x = tpl.block_fwd(units[1 + i], x, i)[0]
       if before < n:
-        _, g, _, g_e, _, _, _ = tpl.tail(units[n], units[n + 1], tied, x, labels, mask, scale)
+        _, g, _, g_e, *_ = tpl.tail(units[n], units[n + 1], tied, x, labels, mask, scale)
       else:
-        _, g, _, g_e, _ = tpl.head(units[n + 1], tied, x, labels, mask, scale)
+        _, g, _, g_e, *_ = tpl.head(units[n + 1], tied, x, labels, mask, scale, {})
       for i in reversed(range(before)):
         g, _, _ = tpl.block_bwd(units[1 + i], inputs[i], g, i)
       return tpl.embed_bwd(ids, g, g_e)

@@ -25,6 +25,7 @@ from megatrain_jax.engine.device.mesh import MeshTransport, mesh_devices
 from megatrain_jax.engine.device.transport import DeviceTransport, Transport
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.policy import PolicyLoss
 
 
 def host_units(cfg: LlamaConfig, key: jax.Array) -> Iterator[Any]:
@@ -52,7 +53,8 @@ def host_units(cfg: LlamaConfig, key: jax.Array) -> Iterator[Any]:
 
 def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineConfig,
           unit_trees: Iterable[Any], grad_hook: Callable | None = None,
-          masks: list[Any] | None = None) -> tuple[Schedule, Templates, Runtime]:
+          masks: list[Any] | None = None, policy: PolicyLoss | None = None
+          ) -> tuple[Schedule, Templates, Runtime]:
   """The schedule, templates and running runtime of a streaming trainer.
 
   The unit trees are flattened into the host store one at a time (each becomes
@@ -67,6 +69,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
     grad_hook: see `GradientPipeline`.
     masks: per unit, a tree of bools: which leaves train (None: all of them;
       `models.trainable.unit_masks`).
+    policy: a policy-gradient loss (`models.policy`), or None for cross-entropy.
 
   Returns:
     (schedule, templates, runtime).
@@ -132,7 +135,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                f", state on disk in {ec.state_dir} ({store.disk_bytes() / 2**30:.2f} GiB)"
                if ec.state_tier == "disk" else "")
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
-                        ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute)
+                        ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute, policy)
   return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
 
 

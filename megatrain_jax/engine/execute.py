@@ -64,11 +64,16 @@ class Outcome:
     input_bytes: the bytes of the batch moved to the device.
     bad: what went bad (`nonfinite`), or None.
     t_sweep: when the last micro-batch's backward was dispatched.
+    metric_sums: a policy loss's metrics, summed over the masked tokens.
+    logprobs: with `logprobs=True`, each label's log-probability (this process's
+      rows, float32 [B, T]); else None.
   """
   loss: float
   input_bytes: int
   bad: Bad | None
   t_sweep: float
+  metric_sums: dict[str, float]
+  logprobs: np.ndarray | None = None
 
 
 class Executor:
@@ -89,21 +94,25 @@ class Executor:
                  if cls.__module__ == ops.__name__}
 
   def run(self, plan: StepPlan, prog: P.StepProgram, batch: dict[str, Any], total: float,
-          guard: StepGuard, key: jax.Array | None = None) -> Outcome:
+          guard: StepGuard, key: jax.Array | None = None, logprobs: bool = False
+          ) -> Outcome:
     """Runs every operation of a step.
 
     Args:
       plan: the batch shape's plan (its byte rules name the ledger's keys).
       prog: the step's operations.
       batch: the whole batch, host arrays.
-      total: the batch's mask sum.
+      total: the loss's normalizer over the global batch (cross-entropy: its mask sum).
       guard: the step's guard.
       key: the step's LoRA dropout key (None: no dropout).
+      logprobs: the head gives each label's log-probability (a forward-only
+        program's `HeadLoss`) instead of the loss.
 
     Returns:
       The `Outcome`.
     """
     self.plan, self.prog, self.guard = plan, prog, guard
+    self.want_logprobs, self.metric_parts, self.logprob_parts = logprobs, [], []
     self.scale = jnp.float32(1.0 / total)
     self.total, self.sums, self.input_bytes = total, [], 0
     self.bad, self.loss, self.t_sweep = None, float("nan"), None
@@ -122,9 +131,14 @@ class Executor:
         if self.on_op is not None:
           self.on_op(op)
         self._run[type(op)](op)
-      return Outcome(self.loss, self.input_bytes, self.bad, self.t_sweep)
+      metric_sums = {k: float(sum(part[k] for part in self.metric_parts))
+                     for k in (self.metric_parts[0] if self.metric_parts else {})}
+      lp = (np.concatenate([_local_rows(a) for a in self.logprob_parts])
+            if logprobs else None)
+      return Outcome(self.loss, self.input_bytes, self.bad, self.t_sweep, metric_sums, lp)
     finally:  # no device array of the step stays alive here, whatever happened
       self.micro, self.sums, self.guard = None, [], None
+      self.metric_parts, self.logprob_parts = [], []
 
   def _inputs(self, micro: dict[str, Any], key, row0: int) -> Micro:
     to = self.rt.transport.to_device
@@ -134,7 +148,9 @@ class Executor:
     if key is not None and lc is not None and lc.dropout:  # masks by global batch row
       rows = np.arange(row0, row0 + micro["input_ids"].shape[0])
       extra["dropout_keys"] = to(np.asarray(lora.sequence_keys(key, rows)))
-    return Micro({k: to(micro[k]) for k in ("input_ids", "labels", "loss_mask")}, extra)
+    policy = self.tpl.policy
+    keys = ("input_ids", "labels", "loss_mask", *(policy.keys if policy else ()))
+    return Micro({k: to(micro[k]) for k in keys if k in micro}, extra)
 
   def _apply(self, op: ops.Op, *arrays) -> None:
     self.rt.ledger.apply(op.effects(self.plan.bytes), arrays)
@@ -212,17 +228,20 @@ class Executor:
     aux, mb.g_probs = _load_balancing(tpl.cfg, mb.router, mb.batch["input_ids"].size,
                                       self.scale)
     mb.router = []
-    labels, mask = mb.batch["labels"], mb.batch["loss_mask"]
+    labels, mask, rows = mb.batch["labels"], mb.batch["loss_mask"], self._rows()
     p_h = self._param(op.head)
     p_e = self._param(0) if op.tied else None
     made = []
     if op.last_layer is not None:
-      loss_sum, g, g_h, g_e, finite, g_last, finite_last = tpl.tail(
-          self._param(op.last_layer), p_h, p_e, mb.x, labels, mask, self.scale, **mb.extra)
+      loss_sum, g, g_h, g_e, finite, g_last, finite_last, metrics = tpl.tail(
+          self._param(op.last_layer), p_h, p_e, mb.x, labels, mask, self.scale, rows,
+          **mb.extra)
       mb.grads[op.last_layer] = (g_last, finite_last)
       made = [g_last] if op.last_trains else []
     else:
-      loss_sum, g, g_h, g_e, finite = tpl.head(p_h, p_e, mb.x, labels, mask, self.scale)
+      loss_sum, g, g_h, g_e, finite, metrics = tpl.head(p_h, p_e, mb.x, labels, mask,
+                                                        self.scale, rows)
+    self.metric_parts.append(metrics)
     mb.g = mb.token = g
     mb.g_e = g_e
     mb.grads[op.head] = (g_h, finite)
@@ -231,14 +250,26 @@ class Executor:
     self.guard.loss_parts.append(mb.loss)  # before any gradient: updates wait for it
     self.sums.append(mb.loss)
 
+  def _rows(self) -> dict[str, Any]:
+    """The policy loss's per-token inputs of this micro-batch ({} for cross-entropy)."""
+    policy = self.tpl.policy
+    return {k: self.micro.batch[k] for k in (policy.keys if policy else ())
+            if k in self.micro.batch}
+
   def _HeadLoss(self, op: ops.HeadLoss) -> None:
-    mb = self.micro
+    mb, tpl = self.micro, self.tpl
     mb.router = []  # an evaluation's loss is the model's alone
-    loss_sum = self.tpl.head_loss(self._param(op.head), self._param(0) if op.tied else None,
-                                  mb.x, mb.batch["labels"], mb.batch["loss_mask"])
-    mb.x = mb.token = loss_sum
+    p_h, p_e = self._param(op.head), self._param(0) if op.tied else None
+    if self.want_logprobs:
+      out = tpl.head_logprobs(p_h, p_e, mb.x, mb.batch["labels"])
+      self.logprob_parts.append(out)
+    else:
+      out, metrics = tpl.head_loss(p_h, p_e, mb.x, mb.batch["labels"],
+                                   mb.batch["loss_mask"], self._rows())
+      self.metric_parts.append(metrics)
+      self.sums.append(out)
+    mb.x = mb.token = out
     self._apply(op)
-    self.sums.append(loss_sum)
 
   def _SendGradient(self, op: ops.SendGradient) -> None:
     g, finite = self.micro.grads.pop(op.unit)
@@ -315,3 +346,11 @@ def _load_balancing(cfg, router: list, tokens: int, scale: jax.Array
   stats, rows = moe.total_stats(router), len(router) * tokens
   aux = cfg.router_aux_loss_coef * moe.aux_loss(cfg, stats, rows)
   return aux / scale, moe.aux_grad(cfg, stats.picks, rows)
+
+
+def _local_rows(a: jax.Array) -> np.ndarray:
+  """This process's rows of a batch-sharded array, in order."""
+  if a.is_fully_addressable:
+    return np.asarray(a)
+  shards = {s.index[0].start or 0: s for s in a.addressable_shards}  # replicas once
+  return np.concatenate([np.asarray(shards[k].data) for k in sorted(shards)])

@@ -13,6 +13,7 @@ import weakref
 from typing import Any, Callable, Iterable
 
 import jax
+import numpy as np
 import optax
 from absl import logging
 
@@ -28,6 +29,7 @@ from megatrain_jax.engine.trainer_state import TrainerState
 from megatrain_jax.models import llama, lora
 from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.policy import POLICY_KEYS, PolicyLoss
 
 GradHook = Callable[[int, jax.Array], jax.Array]
 
@@ -42,7 +44,8 @@ class StreamingTrainer(TrainerState):
 
   def __init__(self, model: llama.Llama, optimizer: optax.GradientTransformation,
                config: EngineConfig | None = None, *, trainable: trainable_lib.Filter = None,
-               grad_hook: GradHook | None = None, on_op: OpHook | None = None):
+               grad_hook: GradHook | None = None, on_op: OpHook | None = None,
+               loss: PolicyLoss | None = None):
     """Copies `model`'s parameters into the host store.
 
     Args:
@@ -57,6 +60,8 @@ class StreamingTrainer(TrainerState):
         finiteness again.
       on_op: `on_op(op)` before each operation of a step (`plan.program`), on the
         step's thread: tracing, profiling, or pacing the engine in a test.
+      loss: what the head minimizes: None for masked cross-entropy, or a
+        policy-gradient loss (`mt.rl.PolicyLoss`), whose batches add its keys.
 
     Raises:
       ValueError: a config the device budget cannot hold, optimizer_mode="per_unit"
@@ -65,7 +70,7 @@ class StreamingTrainer(TrainerState):
     """
     units = [model.embed.tree(), *(b.tree() for b in model.blocks), model.head.tree()]
     self._setup(model.cfg, optimizer, config, units, trainable_lib.unit_masks(
-        model, trainable), grad_hook, on_op)
+        model, trainable), grad_hook, on_op, loss)
 
   @classmethod
   def from_units(cls, cfg: LlamaConfig, optimizer: optax.GradientTransformation,
@@ -79,7 +84,7 @@ class StreamingTrainer(TrainerState):
       config: the engine config (None: `EngineConfig()`).
       unit_trees: embed, each block, head (numpy or host arrays), consumed lazily.
       trainable: as `__init__` (NNX filters see the variable types of `Llama(cfg)`).
-      **hooks: `grad_hook` and `on_op`, as `__init__`.
+      **hooks: `grad_hook`, `on_op` and `loss`, as `__init__`.
 
     Returns:
       The trainer.
@@ -101,7 +106,7 @@ class StreamingTrainer(TrainerState):
       config: the engine config (None: `EngineConfig()`).
       key: the PRNG key; with the same key the parameters equal
         `Llama(cfg, rngs=nnx.Rngs(params=key))`'s.
-      **options: `trainable`, `grad_hook` and `on_op`, as `__init__`.
+      **options: `trainable`, `grad_hook`, `on_op` and `loss`, as `__init__`.
 
     Returns:
       The trainer.
@@ -113,10 +118,11 @@ class StreamingTrainer(TrainerState):
       raise ValueError("from_config needs an explicit PRNG key, e.g. jax.random.key(0).")
     return cls.from_units(cfg, optimizer, config, host_units(cfg, key), **options)
 
-  def _setup(self, cfg, optimizer, ec, unit_trees, masks, grad_hook=None, on_op=None):
-    self.cfg, self.config = cfg, ec or EngineConfig()
+  def _setup(self, cfg, optimizer, ec, unit_trees, masks, grad_hook=None, on_op=None,
+             loss=None):
+    self.cfg, self.config, self.loss = cfg, ec or EngineConfig(), loss
     self.schedule, self.templates, self._rt = build(cfg, optimizer, self.config, unit_trees,
-                                                    grad_hook, masks)
+                                                    grad_hook, masks, loss)
     self._executor = Executor(self._rt, self.templates, on_op)
     self._finalizer = weakref.finalize(self, shutdown_quietly, self._rt)
     self._health = Health(self._rt, self.schedule.unit_name)
@@ -137,7 +143,9 @@ class StreamingTrainer(TrainerState):
 
     Returns:
       {"loss", "tokens", "step_time_s", "grad_norm"}, and "skipped": True for a
-      non-finite step skipped under `nonfinite="skip"` (its grad_norm NaN).
+      non-finite step skipped under `nonfinite="skip"` (its grad_norm NaN); a
+      policy loss adds its metrics ("clip_fraction", "entropy", "kl": means over
+      the masked tokens). "tokens" is the mask's sum.
       "grad_norm" is the global norm of the gradient, before any clip, summed from
       each unit's as its update applies it: a `LateNorm`, whose `float()` waits for
       the step's last updates.
@@ -150,7 +158,7 @@ class StreamingTrainer(TrainerState):
         without a key.
       RuntimeError: the trainer is invalid or closed.
     """
-    batch, total, plan = self._prepare(batch, key)
+    batch, total, tokens, plan = self._prepare(batch, key)
     rt, t0, before = self._rt, time.perf_counter(), self._rt.start_step()
     guard = nonfinite.StepGuard(step=self._steps + 1,
                                 prev=None if rt.defer else self._health.late,
@@ -163,8 +171,8 @@ class StreamingTrainer(TrainerState):
     t_end = time.perf_counter()
     self._steps += 1
     rt.end_step(guard.step, before, run.input_bytes, t0, run.t_sweep, t_end)
-    out = {"loss": run.loss, "tokens": total, "step_time_s": t_end - t0,
-           "grad_norm": LateNorm(guard.norm)}
+    out = {"loss": run.loss, "tokens": tokens, "step_time_s": t_end - t0,
+           "grad_norm": LateNorm(guard.norm), **_means(run.metric_sums, tokens)}
     if run.bad is not None:
       rt.pipeline.drop_gradients()
       err = self._health.bad_step(run.bad, guard, skip=self.config.nonfinite == "skip")
@@ -186,8 +194,9 @@ class StreamingTrainer(TrainerState):
       batch: as `step` (an evaluation applies no LoRA dropout).
 
     Returns:
-      {"loss": the mean loss over the batch's masked tokens, without an MoE
-      model's load-balancing loss; "tokens": their count}.
+      {"loss": the batch's loss (cross-entropy's: the mean over the masked
+      tokens), without an MoE model's load-balancing loss; "tokens": the masked
+      tokens' count}, and a policy loss's metrics as `step` gives them.
 
     Raises:
       ValueError: a bad batch, or one over the device budget.
@@ -195,16 +204,36 @@ class StreamingTrainer(TrainerState):
       FloatingPointError: the last step's late updates found a bad value (as `step`
         would raise).
     """
-    self._health.check_usable()
-    batch, total, plan = preflight.check_step(
-        self.cfg, self.config, batch, self._rt.transport.global_sum,
-        deferred=self._rt.defer, trains=self._rt.trains)
+    batch, total, tokens, plan = self._prepare(batch, trains=False)
+    run = self._forward(batch, total, plan, logprobs=False)
+    return {"loss": run.loss, "tokens": tokens, **_means(run.metric_sums, tokens)}
+
+  def logprobs(self, batch: dict[str, Any]) -> np.ndarray:
+    """Each label's log-probability at the current parameters, from a forward-only
+    streamed pass (`evaluate`'s): no gradient, no update, nothing changes.
+
+    Args:
+      batch: as `step` ("loss_mask" is checked but does not change the result;
+        a policy loss's keys may be absent).
+
+    Returns:
+      float32 [B, T] (this process's rows): log softmax(logits)[label] at each
+      position, for the old or reference policy of `mt.rl.PolicyLoss`.
+
+    Raises:
+      As `evaluate`.
+    """
+    batch, total, _, plan = self._prepare(batch, need_policy_keys=False, trains=False)
+    return self._forward(batch, total, plan, logprobs=True).logprobs
+
+  def _forward(self, batch, total, plan, logprobs: bool) -> Outcome:
     self._cancel_prefetch()  # fetched ahead for the next step, in a step's order
     guard = nonfinite.StepGuard(step=self._steps + 1)
     try:
       self._rt.pipeline.check()
       self._health.check_late()
-      run = self._executor.run(plan, plan.eval_program(), batch, total, guard)
+      run = self._executor.run(plan, plan.eval_program(), batch, total, guard,
+                               logprobs=logprobs)
       self._rt.count_fetches(guard.step, run.input_bytes)
     except BaseException as e:
       self._health.fail(e)
@@ -213,13 +242,18 @@ class StreamingTrainer(TrainerState):
     # bad value they found means the pass saw half-updated parameters.
     self._rt.pipeline.check()
     self._health.check_late()
-    return {"loss": run.loss, "tokens": total}
+    return run
 
-  def _prepare(self, batch, key=None):
+  def _prepare(self, batch, key=None, need_policy_keys: bool = True, trains: bool = True):
     self._health.check_usable()
-    lora.check_key(self.cfg.lora, key)
+    if trains:  # a forward-only pass applies no dropout
+      lora.check_key(self.cfg.lora, key)
+    policy = self.loss if need_policy_keys else None
+    if not need_policy_keys:  # log-probs read no policy key: leave them out
+      batch = {k: v for k, v in batch.items() if k not in POLICY_KEYS}
     return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum,
-                                deferred=self._rt.defer, trains=self._rt.trains)
+                                deferred=self._rt.defer, trains=self._rt.trains,
+                                policy=policy)
 
   def _sweep(self, batch, total: float, plan, guard, update: bool, key=None) -> Outcome:
     self._rt.pipeline.check()  # a failure after the last step returned
@@ -244,7 +278,7 @@ class StreamingTrainer(TrainerState):
     Raises:
       What a failed sweep met; the trainer is then invalid.
     """
-    batch, total, plan = self._prepare(batch, key)
+    batch, total, _, plan = self._prepare(batch, key)
     guard = nonfinite.StepGuard(step=self._steps + 1)
     try:
       run = self._sweep(batch, total, plan, guard, update=False, key=key)
@@ -316,3 +350,7 @@ class StreamingTrainer(TrainerState):
     return {"steps": self._steps, "skipped_steps": self._health.skipped,
             **self.templates.stats(rt["device_peak_bytes"]), **rt, "layer_bytes": layer_bytes}
 
+
+def _means(sums: dict[str, float], tokens: float) -> dict[str, float]:
+  """A loss's metric sums as means over the masked tokens."""
+  return {k: v / max(tokens, 1.0) for k, v in sums.items()}

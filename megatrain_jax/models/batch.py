@@ -7,9 +7,10 @@ from typing import Any, Mapping
 import numpy as np
 
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.policy import POLICY_KEYS
 
 BATCH_KEYS = ("input_ids", "labels", "loss_mask")
-OPTIONAL_KEYS = ("positions", "segment_ids")
+OPTIONAL_KEYS = ("positions", "segment_ids", *POLICY_KEYS)
 
 
 def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -19,7 +20,8 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
   "loss_mask": float32[B, T]}; `labels[b, t]` is the token that follows
   `input_ids[b, t]`. Packed documents add "segment_ids": int32[B, T] (a token
   attends only within its segment) and "positions": int32[B, T] (each document's
-  positions, from 0).
+  positions, from 0). A policy-gradient loss (`models.policy`) reads "advantages",
+  "old_logprobs" and "ref_logprobs": float32 [B, T], finite.
 
   Args:
     cfg: the model, which bounds the sequence length and token ids.
@@ -49,6 +51,7 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
       "labels": np.asarray(batch["labels"]),
       "loss_mask": np.asarray(batch["loss_mask"], np.float32),
       **{k: np.asarray(batch[k]) for k in OPTIONAL_KEYS if k in batch},
+      **{k: np.asarray(batch[k], np.float32) for k in POLICY_KEYS if k in batch},
   }
   shape = out["input_ids"].shape
   for key, arr in out.items():
@@ -64,7 +67,10 @@ def check_batch(cfg: LlamaConfig, batch: Mapping[str, Any]) -> dict[str, np.ndar
   if not np.all(np.isfinite(out["loss_mask"])):
     raise ValueError("batch['loss_mask'] holds NaN or infinite values; it must be finite "
                      "weights (1 to train on a token, 0 to skip it).")
-  for key in [k for k in OPTIONAL_KEYS if k in out]:
+  for key in [k for k in POLICY_KEYS if k in out]:
+    if not np.all(np.isfinite(out[key])):
+      raise ValueError(f"batch[{key!r}] holds NaN or infinite values.")
+  for key in [k for k in OPTIONAL_KEYS if k in out and k not in POLICY_KEYS]:
     arr = out[key]
     if not np.issubdtype(arr.dtype, np.integer):
       raise ValueError(f"batch[{key!r}] must hold integers, got {arr.dtype}.")

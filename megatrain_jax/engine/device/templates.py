@@ -17,24 +17,12 @@ import jax
 import jax.numpy as jnp
 
 from megatrain_jax.engine.device import residuals
+from megatrain_jax.engine.device.head import head_functions, sum_squares
 from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.lora import layer_keys
-from megatrain_jax.models.loss import head_loss_sum
-
-
-def sum_squares(x: jax.Array) -> jax.Array:
-  """A gradient's fp32 sum of squares, computed where it lives: the step's norm sums
-  them; the gradient is finite when its sum is (as `ResidentTrainer` checks its norm).
-
-  Args:
-    x: an array.
-
-  Returns:
-    A scalar fp32 array.
-  """
-  return jnp.sum(jnp.square(x.astype(jnp.float32)))
+from megatrain_jax.models.policy import PolicyLoss
 
 
 # The largest of byte counts, leaving out the unknown ones (None if none is known).
@@ -45,8 +33,10 @@ class Templates:
   """The jitted templates of one model: embed, block and head, forward and backward.
 
   Attributes (each a jitted function; flat arguments are compute-dtype units):
-    embed_fwd(flat_e, ids) -> x; head_loss(flat_h, flat_e | None, x, labels, mask)
-      -> loss_sum: forward only.
+    embed_fwd(flat_e, ids) -> x; head_loss(flat_h, flat_e | None, x, labels, mask,
+      rows) -> (loss_sum, metric_sums) and head_logprobs(flat_h, flat_e | None, x,
+      labels) -> [B, T]: forward only (`engine.device.head`; `rows`: a policy loss's
+      per-token inputs, {} for cross-entropy).
     block_fwd(flat_b, x, layer) -> (x, stats): `layer` picks the layer's structure
       (a method over one jitted function per structure); `stats` is an MoE layer's
       `moe.RouterStats`, None for a dense one.
@@ -60,20 +50,21 @@ class Templates:
       its backward needs (`engine.residuals`), and the backward runs no forward;
       `reuse` (donated) gives the forward buffers to write its output and residuals
       into (`pool.BufferPool`).
-    head(flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x, g_h, g_e,
-      finite): final norm, LM head and chunked cross-entropy, value and gradient;
-      the vjp is seeded with `scale` (1 / the batch's mask sum); g_e: the tied
-      embedding's gradient from the head (None when untied).
-    tail(flat_b, flat_h, flat_e | None, x, labels, mask, scale) -> (loss_sum, g_x,
-      g_h, g_e, finite_h, g_flat, finite): the last layer and the head in one vjp
-      (`EngineConfig.last_layer_in_head`), so that layer's forward runs once.
+    head(flat_h, flat_e | None, x, labels, mask, scale, rows) -> (loss_sum, g_x, g_h,
+      g_e, finite, metric_sums): final norm, LM head and the chunked loss, value and
+      gradient; the vjp is seeded with `scale` (1 / the step's normalizer); g_e: the
+      tied embedding's gradient from the head (None when untied).
+    tail(flat_b, flat_h, flat_e | None, x, labels, mask, scale, rows) -> (loss_sum,
+      g_x, g_h, g_e, finite_h, g_flat, finite, metric_sums): the last layer and the
+      head in one vjp (`EngineConfig.last_layer_in_head`), so that layer's forward
+      runs once.
     embed_bwd(ids, g_x, g_e_head) -> (g_flat_fp32, finite): the embedding's
       scatter-add, in fp32, plus the head's part when tied.
   """
 
   def __init__(self, cfg: LlamaConfig, embed: FlatSpec, blocks: list[FlatSpec],
                head: FlatSpec, compute_dtype: Any, loss_chunk_tokens: int | None = None,
-               recompute: str = "full"):
+               recompute: str = "full", policy: PolicyLoss | None = None):
     """Builds (does not yet compile) the templates.
 
     Args:
@@ -84,15 +75,17 @@ class Templates:
       compute_dtype: the dtype units and activations compute in.
       loss_chunk_tokens: tokens per chunk of logits (None: the loss's default).
       recompute: what a layer's backward recomputes (`EngineConfig.recompute`).
+      policy: a policy-gradient loss (`models.policy`), or None for cross-entropy.
     """
     self._counts, self._scratch, self._kept_shapes = {}, {}, {}  # by name, shape, key
     self._last_shape: tuple | None = None  # (x's shape, dtype, packed) of the last block
     self._specs = (embed, head)
     self.cfg = cfg
     self.recompute = recompute
+    self.policy = policy
     # An MoE layer's router gradient when no load-balancing loss is trained.
     self._no_g_probs = jnp.zeros((cfg.n_experts,), jnp.float32) if cfg.n_experts else None
-    cd, tied, chunk = jnp.dtype(compute_dtype), cfg.tie_embeddings, loss_chunk_tokens
+    cd, tied = jnp.dtype(compute_dtype), cfg.tie_embeddings
 
     def embed_fwd(flat, ids):
       return llama.embed_apply(embed.unflatten(flat), ids, cd)
@@ -121,32 +114,7 @@ class Templates:
       g_flat, g_x = residuals.backward(spec, layout, flat, x, kept, g, g_probs)
       return g_x, g_flat, sum_squares(g_flat)
 
-    def loss(ph, pe, x, labels, mask):  # the head's loss sum from its unit trees
-      return head_loss_sum(cfg, ph, pe if tied else None, x, labels, mask, chunk)
-
-    # Each unit is differentiated in the elements that train only
-    # (`FlatSpec.unflatten_split`).
-    trained = lambda spec, flat: None if flat is None else flat[:spec.train_size]
-    tree = lambda spec, ft, flat: None if flat is None else spec.unflatten_split(
-        ft, flat[spec.train_size:])
-
-    def head_fwd_bwd(flat_h, flat_e, x, labels, mask, scale):
-      f = lambda th, te, x: loss(tree(head, th, flat_h), tree(embed, te, flat_e), x,
-                                 labels, mask)
-      loss_sum, vjp = jax.vjp(f, trained(head, flat_h), trained(embed, flat_e), x)
-      g_h, g_e, g_x = vjp(scale)
-      return loss_sum, g_x, g_h, g_e, sum_squares(g_h)
-
-    def tail(flat_b, flat_h, flat_e, x, labels, mask, scale, pos, seg, keys, spec, window):
-      # The last layer and the head in one vjp: the layer's forward runs once, and
-      # its residuals live only inside this call.
-      def f(tb, th, te, x):
-        y, _ = llama.block_apply_stats(cfg, tree(spec, tb, flat_b), x, pos, window, seg, keys)
-        return loss(tree(head, th, flat_h), tree(embed, te, flat_e), y, labels, mask)
-      loss_sum, vjp = jax.vjp(f, trained(spec, flat_b), trained(head, flat_h),
-                              trained(embed, flat_e), x)
-      g_b, g_h, g_e, g_x = vjp(scale)
-      return loss_sum, g_x, g_h, g_e, sum_squares(g_h), g_b, sum_squares(g_b)
+    hf = head_functions(cfg, embed, head, loss_chunk_tokens, policy)
 
     def embed_bwd(ids, g_x, g_e_head):
       v, d = cfg.vocab_size, cfg.d_model
@@ -166,10 +134,10 @@ class Templates:
                                    keep_unused=True)
     self._block_bwd_kept = jax.jit(self._counted("block_bwd_kept", block_bwd_kept),
                                    static_argnums=(8, 9))
-    self.head = jax.jit(self._counted("head_fwd_bwd", head_fwd_bwd))
-    self.head_loss = jax.jit(self._counted("head_loss", lambda fh, fe, *xs: loss(
-        head.unflatten(fh), None if fe is None else embed.unflatten(fe), *xs)))
-    self._tail = jax.jit(self._counted("tail_fwd_bwd", tail), static_argnums=(10, 11))
+    self.head = jax.jit(self._counted("head_fwd_bwd", hf.fwd_bwd))
+    self.head_loss = jax.jit(self._counted("head_loss", hf.loss))
+    self.head_logprobs = jax.jit(self._counted("head_logprobs", hf.logprobs))
+    self._tail = jax.jit(self._counted("tail_fwd_bwd", hf.tail), static_argnums=(11, 12))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
 
   def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
@@ -292,7 +260,7 @@ class Templates:
 
   def tail(self, flat: jax.Array, flat_h: jax.Array, flat_e: jax.Array | None,
            x: jax.Array, labels: jax.Array, mask: jax.Array, scale: jax.Array,
-           positions=None, segment_ids=None, dropout_keys=None) -> tuple:
+           rows=None, positions=None, segment_ids=None, dropout_keys=None) -> tuple:
     """The last layer (dense) and the head, forward and backward, in one call.
 
     Args:
@@ -303,17 +271,19 @@ class Templates:
       labels: as `head`.
       mask: as `head`.
       scale: as `head`.
+      rows: as `head` (None: {}).
       positions: as `block_fwd`.
       segment_ids: as `block_fwd`.
       dropout_keys: as `block_fwd`.
 
     Returns:
-      (loss_sum, g_x, g_h, g_e, finite_h, g_flat, finite): as `head`, with g_x the
-      gradient of the last layer's input, then that layer's as `block_bwd`'s.
+      (loss_sum, g_x, g_h, g_e, finite_h, g_flat, finite, metric_sums): as `head`,
+      with g_x the gradient of the last layer's input, then that layer's as
+      `block_bwd`'s.
     """
     layer = self.cfg.n_layers - 1
     self._last_shape = (x.shape, x.dtype, positions is not None, segment_ids is not None)
-    return self._tail(flat, flat_h, flat_e, x, labels, mask, scale, positions,
+    return self._tail(flat, flat_h, flat_e, x, labels, mask, scale, rows or {}, positions,
                       segment_ids, layer_keys(dropout_keys, layer), *self._kinds[layer])
 
   def measure_scratch(self) -> dict[str, int]:
@@ -356,12 +326,13 @@ class Templates:
     embed, head = self._specs
     temp = lambda fn, *args: getattr(fn.lower(*args).compile().memory_analysis(),
                                      "temp_size_in_bytes", None)
-    flat_e = S((embed.size,), dtype)
+    flat_e, f32 = S((embed.size,), dtype), S((b, t), jnp.float32)
     tied_e = flat_e if self.cfg.tie_embeddings else None
+    rows = {k: f32 for k in (self.policy.keys if self.policy else ())}
+    loss_args = (tied_e, x, ids, f32, S((), jnp.float32), rows)
     out = {"embed_fwd": temp(self.embed_fwd, flat_e, ids),
            "embed_bwd": temp(self.embed_bwd, ids, x, tied_e),
-           "head": temp(self.head, S((head.size,), dtype), tied_e, x, ids,
-                        S((b, t), jnp.float32), S((), jnp.float32))}
+           "head": temp(self.head, S((head.size,), dtype), *loss_args)}
     first = {}  # each structure's first layer: one template per structure
     for layer, kind in enumerate(self._kinds):
       first.setdefault(kind, layer)
@@ -383,9 +354,8 @@ class Templates:
     last = self.cfg.n_layers - 1
     if self.recompute == "full" and last >= 0 and not self.cfg.layer_is_moe(last):
       spec, window = self._kinds[last]  # the fused tail's, where the schedule has one
-      out["tail"] = temp(self._tail, S((spec.size,), dtype), S((head.size,), dtype), tied_e,
-                         x, ids, S((b, t), jnp.float32), S((), jnp.float32), pos, seg,
-                         None, spec, window)
+      out["tail"] = temp(self._tail, S((spec.size,), dtype), S((head.size,), dtype),
+                         *loss_args, pos, seg, None, spec, window)
     return out
 
   def _counted(self, name: str, fn):

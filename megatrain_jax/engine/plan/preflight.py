@@ -21,6 +21,7 @@ from megatrain_jax.engine.platform import (accelerator_bytes, available_host_byt
                                            on_cpu_backend, on_gpu)
 from megatrain_jax.models.batch import check_batch
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.policy import PolicyLoss, check_keys
 
 
 def describe(kinds: dict[str, int], unit: int = GiB) -> str:
@@ -127,8 +128,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
 
 def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any,
                global_sum: Callable[[float], float] = float, deferred: bool | None = None,
-               trains: tuple[int, ...] | None = None
-               ) -> tuple[dict[str, Any], float, StepPlan]:
+               trains: tuple[int, ...] | None = None, policy: PolicyLoss | None = None
+               ) -> tuple[dict[str, Any], float, float, StepPlan]:
   """Checks a batch for a streaming step, and its shape against the device budget.
 
   Args:
@@ -138,17 +139,22 @@ def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any,
     global_sum: sums a number over the run's processes (`Transport.global_sum`).
     deferred: the trainer's updates wait for the sweep (`step_plan`).
     trains: each unit's elements that train (`step_plan`; None: all of them).
+    policy: the trainer's policy-gradient loss (`models.policy`), or None for
+      cross-entropy.
 
   Returns:
-    (the batch as host numpy arrays, the mask sum over every process's rows, its
-    shape's `StepPlan`).
+    (the batch as host numpy arrays, the loss's normalizer over every process's rows
+    (cross-entropy's: the mask sum), the mask sum over them, its shape's
+    `StepPlan`).
 
   Raises:
-    ValueError: a bad batch (see `check_batch`), a batch size grad_accum (times the
+    ValueError: a bad batch (see `check_batch`, `models.policy.check_keys`), a batch
+      size grad_accum (times the
       data-parallel devices) does not divide, an all-zero mask, or a shape over
       `ec.device_budget_bytes`.
   """
   batch = check_batch(cfg, batch)
+  check_keys(policy, batch)
   b, t = batch["input_ids"].shape
   if b % ec.grad_accum:
     raise ValueError(f"Batch size {b} is not divisible by grad_accum={ec.grad_accum}.")
@@ -157,13 +163,14 @@ def check_step(cfg: LlamaConfig, ec: EngineConfig, batch: Any,
     raise ValueError(f"Batch size {b} does not split into grad_accum={ec.grad_accum} "
                      f"micro-batches over data_parallel={n} devices: make it a multiple "
                      f"of {ec.grad_accum * n}.")
-  total = global_sum(float(batch["loss_mask"].sum()))
-  if total <= 0:
+  tokens = global_sum(float(batch["loss_mask"].sum()))
+  if tokens <= 0:
     raise ValueError("The batch's loss_mask is all zero: no token to train on.")
+  total = global_sum(float(policy.normalizer(batch["loss_mask"]))) if policy else tokens
   packed = "segment_ids" in batch or "positions" in batch
   plan = step_plan(cfg, ec, b, t, deferred=deferred, packed=packed, trains=trains)
   need = device_bytes(cfg, ec, b, t, deferred=deferred, plan=plan)
   if ec.device_budget_bytes is not None and need["total"] > ec.device_budget_bytes:
     raise device_budget_error(f"A step on batch [{b}, {t}]", need, ec.device_budget_bytes,
                               2**20)
-  return batch, total, plan
+  return batch, total, tokens, plan
