@@ -43,19 +43,20 @@ def _chunks(n: int, chunk_tokens: int) -> tuple[int, int]:
   return chunk, -(-n // chunk)
 
 
-def _scan_sum(fn, rows: dict[str, jax.Array], chunk_tokens: int):
-  """Sums `fn(chunk_rows)` (a pytree of scalars) over chunks of the rows, the rows
-  zero-padded to whole chunks (a padded row must add zero: its mask is 0)."""
-  n = next(iter(rows.values())).shape[0]
+def _scan_sum(fn, rows, chunk_tokens: int):
+  """Sums `fn(chunk_rows)` (a pytree of scalars) over chunks of the rows (a pytree of
+  [N, ...] arrays), zero-padded to whole chunks (a padded row must add zero: its
+  mask is 0)."""
+  n = jax.tree.leaves(rows)[0].shape[0]
   chunk, n_chunks = _chunks(n, chunk_tokens)
   pad = n_chunks * chunk - n
   if pad:
-    rows = {k: jnp.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1)) for k, v in rows.items()}
+    rows = jax.tree.map(lambda v: jnp.pad(v, ((0, pad),) + ((0, 0),) * (v.ndim - 1)), rows)
   if n_chunks == 1:
     return fn(rows)
-  shaped = {k: v.reshape(n_chunks, chunk, *v.shape[1:]) for k, v in rows.items()}
+  shaped = jax.tree.map(lambda v: v.reshape(n_chunks, chunk, *v.shape[1:]), rows)
   zero = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype),
-                      jax.eval_shape(fn, {k: v[0] for k, v in shaped.items()}))
+                      jax.eval_shape(fn, jax.tree.map(lambda v: v[0], shaped)))
   total, _ = jax.lax.scan(lambda acc, xs: (jax.tree.map(jnp.add, acc, fn(xs)), None),
                           zero, shaped)
   return total
