@@ -126,21 +126,40 @@ def plot_loss(records: Sequence[dict[str, Any]], out_png: str, title: str = ""
   Returns:
     Each line drawn by its label ("train", "held out"): its (step, loss) points.
   """
+  return plot_series(records, {"train": "loss", "held out": "eval_loss"}, out_png,
+                     "loss (nats/token)", title or "training loss")
+
+
+def plot_series(records: Sequence[dict[str, Any]], series: dict[str, str], out_png: str,
+                ylabel: str, title: str) -> dict[str, list[tuple[int, float]]]:
+  """Plots metrics against step and saves the figure as a PNG.
+
+  Args:
+    records: metric records, each with "step".
+    series: line label -> the record key it draws (records without it are skipped;
+      a key starting with "eval_" is drawn with markers).
+    out_png: the image file to write.
+    ylabel: the y axis's label.
+    title: the plot's title.
+
+  Returns:
+    Each line drawn by its label: its (step, value) points.
+  """
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
 
   fig, ax = plt.subplots(figsize=(6, 4))
-  lines = {"train": [(r["step"], r["loss"]) for r in records if "loss" in r],
-           "held out": [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]}
+  lines = {label: [(r["step"], r[key]) for r in records if key in r]
+           for label, key in series.items()}
   lines = {k: v for k, v in lines.items() if v}
   for label, points in lines.items():
-    ax.plot(*zip(*points), "o-" if label == "held out" else "-", label=label)
+    ax.plot(*zip(*points), "o-" if series[label].startswith("eval_") else "-", label=label)
   if len(lines) > 1:
     ax.legend()
   ax.set_xlabel("step")
-  ax.set_ylabel("loss (nats/token)")
-  ax.set_title(title or "training loss")
+  ax.set_ylabel(ylabel)
+  ax.set_title(title)
   ax.grid(alpha=0.3)
   fig.tight_layout()
   fig.savefig(out_png, dpi=100)

@@ -219,7 +219,6 @@ def _trl_classes():
   """(stand-in trainer class, stand-in model class, add_fused_lm_head) over the
   installed TRL."""
   import torch  # pylint: disable=import-outside-toplevel
-  import trl  # noqa: F401  pylint: disable=import-outside-toplevel
   import transformers
   from trl import GRPOTrainer
   from trl.trainer.utils import add_fused_lm_head
@@ -385,7 +384,6 @@ def test_loss_and_logit_gradient_equal_trl_grpo(loss_type, beta, old):
 @pytest.mark.parametrize("group_size", [4, 3, 1])
 def test_group_advantages_equal_trl_normalization(group_size, scale):
   import torch  # pylint: disable=import-outside-toplevel
-  import trl  # noqa: F401  pylint: disable=import-outside-toplevel
   from trl.trainer.utils import nanstd
   rng = np.random.default_rng(5)
   rewards = np.round(rng.normal(size=(12 // group_size) * group_size) * 3, 1)

@@ -29,7 +29,7 @@ from megatrain_jax.engine.trainer_state import TrainerState
 from megatrain_jax.models import llama, lora
 from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.models.policy import POLICY_KEYS, PolicyLoss
+from megatrain_jax.models.policy import POLICY_KEYS, PolicyLoss, token_means
 
 GradHook = Callable[[int, jax.Array], jax.Array]
 
@@ -172,7 +172,7 @@ class StreamingTrainer(TrainerState):
     self._steps += 1
     rt.end_step(guard.step, before, run.input_bytes, t0, run.t_sweep, t_end)
     out = {"loss": run.loss, "tokens": tokens, "step_time_s": t_end - t0,
-           "grad_norm": LateNorm(guard.norm), **_means(run.metric_sums, tokens)}
+           "grad_norm": LateNorm(guard.norm), **token_means(run.metric_sums, tokens)}
     if run.bad is not None:
       rt.pipeline.drop_gradients()
       err = self._health.bad_step(run.bad, guard, skip=self.config.nonfinite == "skip")
@@ -206,19 +206,17 @@ class StreamingTrainer(TrainerState):
     """
     batch, total, tokens, plan = self._prepare(batch, trains=False)
     run = self._forward(batch, total, plan, logprobs=False)
-    return {"loss": run.loss, "tokens": tokens, **_means(run.metric_sums, tokens)}
+    return {"loss": run.loss, "tokens": tokens, **token_means(run.metric_sums, tokens)}
 
   def logprobs(self, batch: dict[str, Any]) -> np.ndarray:
     """Each label's log-probability at the current parameters, from a forward-only
     streamed pass (`evaluate`'s): no gradient, no update, nothing changes.
 
     Args:
-      batch: as `step` ("loss_mask" is checked but does not change the result;
-        a policy loss's keys may be absent).
+      batch: as `step` (a policy loss's keys may be absent).
 
     Returns:
-      float32 [B, T] (this process's rows): log softmax(logits)[label] at each
-      position, for the old or reference policy of `mt.rl.PolicyLoss`.
+      float32 [B, T] (this process's rows): log softmax(logits)[label].
 
     Raises:
       As `evaluate`.
@@ -349,8 +347,3 @@ class StreamingTrainer(TrainerState):
     layer_bytes = max(sizes.unit_param_bytes(self.cfg, self.config)[1:-1], default=0)
     return {"steps": self._steps, "skipped_steps": self._health.skipped,
             **self.templates.stats(rt["device_peak_bytes"]), **rt, "layer_bytes": layer_bytes}
-
-
-def _means(sums: dict[str, float], tokens: float) -> dict[str, float]:
-  """A loss's metric sums as means over the masked tokens."""
-  return {k: v / max(tokens, 1.0) for k, v in sums.items()}

@@ -156,6 +156,19 @@ class PolicyLoss:
     return loss_N, metrics
 
 
+def token_means(sums: Mapping[str, float], tokens: float) -> dict[str, float]:
+  """Metric sums as means over the masked tokens.
+
+  Args:
+    sums: metric name -> its masked sum.
+    tokens: the mask's sum.
+
+  Returns:
+    metric name -> its mean.
+  """
+  return {k: v / max(tokens, 1.0) for k, v in sums.items()}
+
+
 def check_keys(policy: PolicyLoss | None, batch: Mapping[str, Any]) -> None:
   """Checks that a batch's keys suit the trainer's loss.
 
