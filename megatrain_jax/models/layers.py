@@ -168,16 +168,7 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
     The attention output, [B, T, D].
   """
   b, t, _ = x_BxTxD.shape
-  hd = cfg.head_dim
-  d = _adapted(adapters, {"q_proj": p["q"], "k_proj": p["k"], "v_proj": p["v"]}, x_BxTxD)
-  q = _dense(p["q"], x_BxTxD, d.get("q_proj")).reshape(b, t, cfg.n_heads, hd)
-  k = _dense(p["k"], x_BxTxD, d.get("k_proj")).reshape(b, t, cfg.n_kv_heads, hd)
-  v = _dense(p["v"], x_BxTxD, d.get("v_proj")).reshape(b, t, cfg.n_kv_heads, hd)
-  if cfg.qk_norm:  # Qwen3: an RMS norm over each head, before the rotation
-    q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
-    k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
-  q = rotary(q, positions_T, cfg.rope_theta, cfg.rope_scaling)
-  k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
+  q, k, v = attention_qkv(cfg, p, x_BxTxD, positions_T, adapters)
   # Grouped-query attention: every kernel takes K/V with fewer heads than Q.
   kernel = attention_kernel(cfg, q.dtype, segment_ids is not None, t)
   if kernel == "cudnn":
@@ -190,8 +181,49 @@ def attention(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T, window: int | N
                                       block_q=block, block_k=block)
   else:
     o = dense_attention(q, k, v, segment_ids, window)
-  o = o.reshape(b, t, cfg.n_heads * hd)
-  return _dense(p["o"], o, _adapted(adapters, {"o_proj": p["o"]}, o).get("o_proj"))
+  return attention_out(p, o.reshape(b, t, cfg.n_heads * cfg.head_dim), adapters)
+
+
+def attention_qkv(cfg: LlamaConfig, p: Params, x_BxTxD, positions_T,
+                  adapters: Adapters | None = None):
+  """Attention's queries, keys and values: projected, normed (`qk_norm`), rotated.
+
+  Args:
+    cfg: the model.
+    p: the block's "attn" tree.
+    x_BxTxD: the normalised activations.
+    positions_T: the position of each token, [T] or [B, T].
+    adapters: how adapted projections compute (needed when `cfg.lora` is set).
+
+  Returns:
+    (q [B, T, N, H], k [B, T, K, H], v [B, T, K, H]); q and k rotated.
+  """
+  b, t, _ = x_BxTxD.shape
+  hd = cfg.head_dim
+  d = _adapted(adapters, {"q_proj": p["q"], "k_proj": p["k"], "v_proj": p["v"]}, x_BxTxD)
+  q = _dense(p["q"], x_BxTxD, d.get("q_proj")).reshape(b, t, cfg.n_heads, hd)
+  k = _dense(p["k"], x_BxTxD, d.get("k_proj")).reshape(b, t, cfg.n_kv_heads, hd)
+  v = _dense(p["v"], x_BxTxD, d.get("v_proj")).reshape(b, t, cfg.n_kv_heads, hd)
+  if cfg.qk_norm:  # Qwen3: an RMS norm over each head, before the rotation
+    q = rms_norm(q, p["q_norm"]["scale"], cfg.norm_eps)
+    k = rms_norm(k, p["k_norm"]["scale"], cfg.norm_eps)
+  q = rotary(q, positions_T, cfg.rope_theta, cfg.rope_scaling)
+  k = rotary(k, positions_T, cfg.rope_theta, cfg.rope_scaling)
+  return q, k, v
+
+
+def attention_out(p: Params, o_BxTxF, adapters: Adapters | None = None):
+  """Attention's output projection.
+
+  Args:
+    p: the block's "attn" tree.
+    o_BxTxF: the heads' outputs side by side (F = N x H).
+    adapters: how adapted projections compute.
+
+  Returns:
+    The attention output, [B, T, D].
+  """
+  return _dense(p["o"], o_BxTxF, _adapted(adapters, {"o_proj": p["o"]}, o_BxTxF).get("o_proj"))
 
 
 def _visible(t: int, segment_ids, window: int | None):
