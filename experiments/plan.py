@@ -6,6 +6,7 @@
   python experiments/plan.py --model=70b --hosts=4 --data_parallel=8 --batch_size=64  # 32 devices
 
   python experiments/plan.py --model=70b --hardware=workstation --state_tier=disk --batch_size=8
+  python experiments/plan.py --model=7b --hardware=h200 --grpo=32x8:256+768   # one GRPO iteration
 
 Hardware: h200, gh200, h100_pcie, a100, workstation (an RTX 4090 with 256 GB of RAM and
 4 NVMe drives, for --state_tier=disk), rtx3090, rtx_a6000, tpu_v5p, tpu_v6e, mi300x
@@ -15,6 +16,7 @@ Hardware: h200, gh200, h100_pcie, a100, workstation (an RTX 4090 with 256 GB of 
 from absl import app, flags
 
 from megatrain_jax import planner
+from megatrain_jax.planner import rl as rl_planner
 from megatrain_jax.bench import calibrate
 from megatrain_jax.engine import EngineConfig
 from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE, STATE_TIERS
@@ -45,6 +47,9 @@ flags.DEFINE_enum("state_tier", "host", list(STATE_TIERS), "Where the fp32 maste
                   "optimizer state live: host RAM, or files on the profile's NVMe drives.")
 flags.DEFINE_integer("state_in_flight", 2, "With --state_tier=disk: units whose state "
                      "is read ahead, and written behind, at most.", lower_bound=1)
+flags.DEFINE_string("grpo", None, "Predict one GRPO iteration instead of a step: "
+                    "PROMPTSxGROUP:PROMPT_LEN+COMPLETION_LEN[:POLICY_STEPS], e.g. "
+                    "32x8:256+768 (docs/rl.md).")
 FLAGS = flags.FLAGS
 
 
@@ -67,6 +72,9 @@ def main(argv):
                     state_in_flight=FLAGS.state_in_flight,
                     state_dir="the profile's drives" if FLAGS.state_tier == "disk" else None)
   opt = adamw(1e-4)
+  if FLAGS.grpo:
+    print(_grpo(cfg, opt, ec, hw, FLAGS.grpo).table())  # the tool's output
+    return
   devices = FLAGS.data_parallel * FLAGS.hosts
   if FLAGS.batch_size == "auto":
     cfg = planner.fit_compute(cfg, ec, hw, ec.grad_accum, FLAGS.seq_len)
@@ -81,6 +89,24 @@ def main(argv):
     cfg = planner.fit_compute(cfg, ec, hw, batch // devices, FLAGS.seq_len)
   plan = planner.plan(cfg, opt, ec, hw, batch, FLAGS.seq_len, hosts=FLAGS.hosts)
   print(plan.table())  # the tool's output
+
+
+def _grpo(cfg, opt, ec, hw, spec: str):
+  """The GRPO estimate of a --grpo spec."""
+  try:
+    shape, lengths, *steps = spec.split(":")
+    prompts, group = (int(x) for x in shape.split("x"))
+    prompt_len, completion_len = (int(x) for x in lengths.split("+"))
+    policy_steps = int(steps[0]) if steps else 1
+  except ValueError:
+    raise app.UsageError(f"--grpo={spec!r}: write PROMPTSxGROUP:PROMPT_LEN+COMPLETION_LEN"
+                         "[:POLICY_STEPS], e.g. 32x8:256+768.") from None
+  cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, prompt_len + completion_len))
+  try:
+    return rl_planner.grpo_iteration(cfg, opt, ec, hw, prompts, group, prompt_len,
+                                     completion_len, policy_steps)
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
 
 
 if __name__ == "__main__":

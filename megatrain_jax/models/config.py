@@ -328,6 +328,10 @@ PRESETS: dict[str, LlamaConfig] = {
     # Llama-2-7B's shape (6.74B parameters).
     "7b": LlamaConfig(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32,
                       n_kv_heads=32, d_ff=11008, max_seq_len=4096),
+    # Qwen2.5-32B's shape (32.8B parameters).
+    "32b": LlamaConfig(vocab_size=152064, d_model=5120, n_layers=64, n_heads=40,
+                       n_kv_heads=8, d_ff=27648, max_seq_len=32768, rope_theta=1000000.0,
+                       qkv_bias=True),
     # Llama-3-70B's shape (70.6B parameters).
     "70b": LlamaConfig(vocab_size=128256, d_model=8192, n_layers=80, n_heads=64,
                        n_kv_heads=8, d_ff=28672, max_seq_len=8192, rope_theta=500000.0),

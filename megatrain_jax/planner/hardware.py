@@ -33,6 +33,8 @@ class Hardware:
   disk_drives, disk_read_bytes_per_s, disk_write_bytes_per_s, disk_bytes: the NVMe
     drives the disk tier's state files stripe over (0: none stated), and each
     drive's sequential direct-I/O rates and capacity.
+  memory_bytes_per_s: the device memory's bandwidth (what bounds decoding a token:
+    every weight is read once); 0: not stated.
   """
 
   name: str
@@ -54,6 +56,7 @@ class Hardware:
   disk_read_bytes_per_s: float = 0.0
   disk_write_bytes_per_s: float = 0.0
   disk_bytes: int = 0
+  memory_bytes_per_s: float = 0.0
   source: str = ""
 
   def flops_at(self, d_model: int) -> float:
@@ -80,7 +83,7 @@ class Hardware:
 
 def _published(name, peak_flops, link, device_bytes, host_bytes, host_opt, source,
                mfu=0.6, d2h=None, interconnect=None, network=None, cudnn=True,
-               disk=(0, 0.0, 0.0, 0)):
+               disk=(0, 0.0, 0.0, 0), memory=0.0):
   drives, read, write, capacity = disk
   return Hardware(name=name, layer_flops=((1, peak_flops * mfu),), h2d_bytes_per_s=link,
                   disk_drives=drives, disk_read_bytes_per_s=read,
@@ -88,12 +91,14 @@ def _published(name, peak_flops, link, device_bytes, host_bytes, host_opt, sourc
                   d2h_bytes_per_s=d2h or link, host_opt_bytes_per_s=host_opt,
                   device_bytes=device_bytes, host_bytes=host_bytes, peak_flops=peak_flops,
                   flash_attention=cudnn, interconnect_bytes_per_s=interconnect or link,
-                  network_bytes_per_s=network or Hardware.network_bytes_per_s, source=source)
+                  network_bytes_per_s=network or Hardware.network_bytes_per_s,
+                  memory_bytes_per_s=0.8 * memory, source=source)
 
 
 # Dense BF16 tensor-core peaks and host links from the vendors' datasheets. The
 # compute time assumes 60% of peak on a streamed layer (`mfu`), PCIe links 80% of
-# their x16 rate. Host RAM and host-optimizer bandwidth are assumptions (marked).
+# their x16 rate, device memory 80% of its datasheet bandwidth. Host RAM and
+# host-optimizer bandwidth are assumptions (marked).
 # Between devices of a host: NVLink where the part has it (900 GB/s total on
 # H100/H200 SXM, 450 GB/s each way; on TPUs the inter-chip interconnect, ICI; on the
 # MI300X Infinity Fabric), else the PCIe link; between hosts, an assumed 400 Gb/s
@@ -104,23 +109,26 @@ def _published(name, peak_flops, link, device_bytes, host_bytes, host_opt, sourc
 # and "none", a little more than an accelerator's allocator holds).
 PROFILES: dict[str, Hardware] = {
     # NVIDIA H200 SXM datasheet: 989 TFLOPS BF16 dense (1,979 with sparsity), 141 GB
-    # HBM3e; PCIe Gen5 x16 64 GB/s per direction. Host: the paper's 1.5 TB server;
+    # HBM3e at 4.8 TB/s; PCIe Gen5 x16 64 GB/s per direction. Host: the paper's 1.5 TB server;
     # optimizer bandwidth assumed 200 GB/s (dual-socket DDR5, about half of peak).
     "h200": _published("H200 + 1.5 TB host", 989e12, 0.8 * 64 * GB, 141 * GB, 1500 * GB,
                        200 * GB, "NVIDIA H200 datasheet; PCIe Gen5 x16; host assumed",
-                       interconnect=450 * GB),
-    # NVIDIA GH200 datasheet: H100-class GPU, 989 TFLOPS BF16 dense, 96 GB HBM3;
+                       interconnect=450 * GB, memory=4800 * GB),
+    # NVIDIA GH200 datasheet: H100-class GPU, 989 TFLOPS BF16 dense, 96 GB HBM3 at
+    # 4 TB/s;
     # NVLink-C2C 900 GB/s total (450 GB/s each way); 480 GB LPDDR5X at up to 512 GB/s,
     # optimizer bandwidth assumed 250 GB/s.
     "gh200": _published("GH200 (NVLink-C2C)", 989e12, 450 * GB, 96 * GB, 480 * GB,
                         250 * GB, "NVIDIA GH200 datasheet; host optimizer assumed",
-                        interconnect=450 * GB),
-    # NVIDIA H100 PCIe datasheet: 756 TFLOPS BF16 dense, 80 GB; PCIe Gen5 x16.
+                        interconnect=450 * GB, memory=4000 * GB),
+    # NVIDIA H100 PCIe datasheet: 756 TFLOPS BF16 dense, 80 GB at 2 TB/s; PCIe Gen5 x16.
     "h100_pcie": _published("H100 PCIe Gen5", 756e12, 0.8 * 64 * GB, 80 * GB, 512 * GB,
-                            150 * GB, "NVIDIA H100 PCIe datasheet; host assumed"),
-    # NVIDIA A100 80GB datasheet: 312 TFLOPS BF16 dense; PCIe Gen4 x16 32 GB/s.
+                            150 * GB, "NVIDIA H100 PCIe datasheet; host assumed",
+                            memory=2000 * GB),
+    # NVIDIA A100 80GB datasheet: 312 TFLOPS BF16 dense, 1,935 GB/s (PCIe); PCIe Gen4
+    # x16 32 GB/s.
     "a100": _published("A100 80GB", 312e12, 0.8 * 32 * GB, 80 * GB, 512 * GB, 150 * GB,
-                       "NVIDIA A100 datasheet; host assumed"),
+                       "NVIDIA A100 datasheet; host assumed", memory=1935 * GB),
     # NVIDIA GA102 whitepaper: RTX 3090 71 TFLOPS BF16 with FP32 accumulate, 24 GB;
     # PCIe Gen4 x16.
     # A workstation for the disk tier: NVIDIA Ada whitepaper, RTX 4090: 165.2 TFLOPS
