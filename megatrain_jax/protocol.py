@@ -26,7 +26,8 @@ class Trainer(Protocol):
 
     Returns:
       {"loss", "tokens", "grad_norm"} at least; `float(out["grad_norm"])` is the
-      global gradient norm before any clip.
+      global gradient norm before any clip. A policy-gradient loss
+      (`mt.rl.PolicyLoss`) adds its metrics.
     """
 
   def evaluate(self, batch: dict[str, Any]) -> dict[str, float]:
@@ -36,7 +37,17 @@ class Trainer(Protocol):
       batch: as `step`.
 
     Returns:
-      {"loss", "tokens"}.
+      {"loss", "tokens"}, and a policy loss's metrics.
+    """
+
+  def logprobs(self, batch: dict[str, Any]) -> Any:
+    """Each label's log-probability at the current parameters; nothing changes.
+
+    Args:
+      batch: as `step` (a policy loss's keys may be absent).
+
+    Returns:
+      float32 [B, T] numpy array.
     """
 
   def params(self) -> dict[str, Any]:
