@@ -87,7 +87,9 @@ def train_on(trainer, rollouts: Sequence[Rollout], config: GrpoConfig,
     trainer: built with `loss=mt.rl.PolicyLoss(...)`.
     rollouts: the iteration's rollouts, in groups.
     config: the iteration's shape.
-    ref: the reference model's trainer (its `logprobs`) for the KL penalty, or None.
+    ref: the reference for the KL penalty: a trainer (its `logprobs`), "base" for
+      a LoRA policy's own frozen base (`trainer.logprobs(batch, adapters=False)`:
+      no second copy of the weights), or None.
 
   Returns:
     The metrics: the rollouts' "reward_mean", "reward_std" and "response_length",
@@ -96,7 +98,8 @@ def train_on(trainer, rollouts: Sequence[Rollout], config: GrpoConfig,
   batch = policy_batch(rollouts, config.seq_len, config.pad_id, config.scale_advantages)
   batch["old_logprobs"] = trainer.logprobs(batch)
   if ref is not None:
-    batch["ref_logprobs"] = ref.logprobs(batch)
+    batch["ref_logprobs"] = (trainer.logprobs(batch, adapters=False) if ref == "base"
+                             else ref.logprobs(batch))
   steps = [trainer.step(batch) for _ in range(config.policy_steps)]
   keys = [k for k in ("loss", "clip_fraction", "entropy", "kl") if k in steps[0]]
   rewards = np.array([r.reward for r in rollouts])

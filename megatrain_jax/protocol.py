@@ -40,11 +40,12 @@ class Trainer(Protocol):
       {"loss", "tokens"}, and a policy loss's metrics.
     """
 
-  def logprobs(self, batch: dict[str, Any]) -> Any:
+  def logprobs(self, batch: dict[str, Any], adapters: bool = True) -> Any:
     """Each label's log-probability at the current parameters; nothing changes.
 
     Args:
       batch: as `step` (a policy loss's keys may be absent).
+      adapters: False leaves LoRA adapters out (the frozen base's log-probs).
 
     Returns:
       float32 [B, T] numpy array.

@@ -62,8 +62,11 @@ class ResidentTrainer:
     self._jit_eval = jax.jit(lambda params, frozen, batch: model_loss_and_metrics(
         self.cfg, self._whole(params, frozen), batch, self.compute_dtype, self._chunk,
         aux=False, policy=loss))
-    self._jit_logprobs = jax.jit(lambda params, frozen, batch: model_logprobs(
-        self.cfg, self._whole(params, frozen), batch, self.compute_dtype, self._chunk))
+    self._jit_logprobs = jax.jit(lambda params, frozen, batch, adapters: model_logprobs(
+        self.cfg if adapters else self.cfg.replace(lora=None),
+        self._whole(params, frozen) if adapters else lora.strip_adapters(
+            self._whole(params, frozen)), batch, self.compute_dtype, self._chunk),
+        static_argnums=(3,))
 
   def _whole(self, params, frozen):
     return params if self._mask is None else trainable_lib.merge(params, frozen, self._mask)
@@ -134,18 +137,20 @@ class ResidentTrainer:
     return {"loss": float(loss), "tokens": float(batch["loss_mask"].sum()),
             **{k: float(v) for k, v in metrics.items()}}
 
-  def logprobs(self, batch: dict[str, Any]) -> np.ndarray:
+  def logprobs(self, batch: dict[str, Any], adapters: bool = True) -> np.ndarray:
     """Each label's log-probability at the current parameters; nothing changes.
 
     Args:
       batch: the batch, in the format of `check_batch` (a policy loss's keys may be
         absent).
+      adapters: False leaves LoRA adapters out (the frozen base's log-probs).
 
     Returns:
       float32 [B, T]: log softmax(logits)[label] at each position.
     """
     batch = check_batch(self.cfg, {k: v for k, v in batch.items() if k not in POLICY_KEYS})
-    return np.asarray(self._jit_logprobs(self._params, self._frozen, batch))
+    return np.asarray(self._jit_logprobs(self._params, self._frozen, batch,
+                                         bool(adapters) or self.cfg.lora is None))
 
   def _check(self, batch):
     batch = check_batch(self.cfg, batch)

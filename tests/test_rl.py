@@ -132,3 +132,23 @@ def test_the_batch_must_suit_the_loss(make):
     with pytest.raises(ValueError, match="ref_logprobs.*NaN"):
       trainer.step(bad)
     trainer.close()
+
+
+def test_a_lora_policy_scores_its_frozen_base_as_the_reference():
+  """logprobs(adapters=False) is the base model's, in both trainers, and stays so
+  while the adapters train."""
+  lc = lora.LoraConfig(rank=4, alpha=8)
+  batch = _batch(CFG)
+  base = mt.ResidentTrainer(_model(CFG), optax.sgd(0.0)).logprobs(batch)
+  policy = mt.rl.PolicyLoss()
+  ref = mt.ResidentTrainer(_model(CFG, lc), optax.adam(1e-2), loss=policy,
+                           trainable=nnx.LoRAParam)
+  with mt.StreamingTrainer(_model(CFG, lc), optax.adam(1e-2), mt.EngineConfig(),
+                           loss=policy, trainable=nnx.LoRAParam) as eng:
+    for _ in range(2):
+      ref.step(batch)
+      eng.step(batch)
+    for trainer in (ref, eng):
+      np.testing.assert_allclose(trainer.logprobs(batch, adapters=False), base, atol=1e-5)
+      assert np.abs(trainer.logprobs(batch) - base).max() > 1e-3  # the adapters moved
+    np.testing.assert_allclose(eng.logprobs(batch), ref.logprobs(batch), atol=1e-5)

@@ -124,6 +124,7 @@ class StreamingTrainer(TrainerState):
     self.schedule, self.templates, self._rt = build(cfg, optimizer, self.config, unit_trees,
                                                     grad_hook, masks, loss)
     self._executor = Executor(self._rt, self.templates, on_op)
+    self._base: Executor | None = None  # LoRA's base alone (`logprobs(adapters=False)`)
     self._finalizer = weakref.finalize(self, shutdown_quietly, self._rt)
     self._health = Health(self._rt, self.schedule.unit_name)
     self._steps = 0
@@ -201,19 +202,20 @@ class StreamingTrainer(TrainerState):
     Raises:
       ValueError: a bad batch, or one over the device budget.
       RuntimeError: the trainer is invalid or closed.
-      FloatingPointError: the last step's late updates found a bad value (as `step`
-        would raise).
+      FloatingPointError: the last step's late updates found a bad value.
     """
     batch, total, tokens, plan = self._prepare(batch, trains=False)
     run = self._forward(batch, total, plan, logprobs=False)
     return {"loss": run.loss, "tokens": tokens, **token_means(run.metric_sums, tokens)}
 
-  def logprobs(self, batch: dict[str, Any]) -> np.ndarray:
+  def logprobs(self, batch: dict[str, Any], adapters: bool = True) -> np.ndarray:
     """Each label's log-probability at the current parameters, from a forward-only
     streamed pass (`evaluate`'s): no gradient, no update, nothing changes.
 
     Args:
       batch: as `step` (a policy loss's keys may be absent).
+      adapters: False leaves LoRA adapters out: the frozen base's log-probs, a
+        policy's reference at no extra memory.
 
     Returns:
       float32 [B, T] (this process's rows): log softmax(logits)[label].
@@ -222,16 +224,19 @@ class StreamingTrainer(TrainerState):
       As `evaluate`.
     """
     batch, total, _, plan = self._prepare(batch, need_policy_keys=False, trains=False)
-    return self._forward(batch, total, plan, logprobs=True).logprobs
+    if not adapters and self.cfg.lora is not None and self._base is None:
+      self._base = Executor(self._rt, self.templates.without_adapters())
+    base = not adapters and self.cfg.lora is not None
+    return self._forward(batch, total, plan, True, self._base if base else None).logprobs
 
-  def _forward(self, batch, total, plan, logprobs: bool) -> Outcome:
+  def _forward(self, batch, total, plan, logprobs: bool, executor=None) -> Outcome:
     self._cancel_prefetch()  # fetched ahead for the next step, in a step's order
     guard = nonfinite.StepGuard(step=self._steps + 1)
     try:
       self._rt.pipeline.check()
       self._health.check_late()
-      run = self._executor.run(plan, plan.eval_program(), batch, total, guard,
-                               logprobs=logprobs)
+      run = (executor or self._executor).run(plan, plan.eval_program(), batch, total, guard,
+                                             logprobs=logprobs)
       self._rt.count_fetches(guard.step, run.input_bytes)
     except BaseException as e:
       self._health.fail(e)
@@ -246,12 +251,11 @@ class StreamingTrainer(TrainerState):
     self._health.check_usable()
     if trains:  # a forward-only pass applies no dropout
       lora.check_key(self.cfg.lora, key)
-    policy = self.loss if need_policy_keys else None
     if not need_policy_keys:  # log-probs read no policy key: leave them out
       batch = {k: v for k, v in batch.items() if k not in POLICY_KEYS}
     return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum,
                                 deferred=self._rt.defer, trains=self._rt.trains,
-                                policy=policy)
+                                policy=self.loss if need_policy_keys else None)
 
   def _sweep(self, batch, total: float, plan, guard, update: bool, key=None) -> Outcome:
     self._rt.pipeline.check()  # a failure after the last step returned
@@ -327,16 +331,6 @@ class StreamingTrainer(TrainerState):
       # Never hide the exception leaving the `with` block.
       logging.error("Closing the StreamingTrainer also failed: %s: %s", type(e).__name__, e)
 
-  @property
-  def step_count(self) -> int:
-    """Steps taken (skipped ones included), restored from a checkpoint."""
-    return self._steps
-
-  host_optimizer = property(lambda self: self._rt.host_opt,
-                            doc="The `HostOptimizer`: the state store and the updater.")
-  transport = property(lambda self: self._rt.transport, doc="How this trainer moves bytes.")
-  runtime = property(lambda self: self._rt, doc="The `Runtime`: the parts its threads "
-                     "share (the ledger, the update clock, the prefetcher).")
   def stats(self) -> dict[str, Any]:
     """Counters since construction, plus the last step's bytes and phase times.
 

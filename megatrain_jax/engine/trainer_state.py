@@ -19,6 +19,17 @@ class TrainerState:
   frozen_checksums = property(lambda self: self._rt.frozen_checksums(), doc="Part name -> "
                               "a CRC-32 of its frozen values (`trainable=`; they never change).")
 
+  @property
+  def step_count(self) -> int:
+    """Steps taken (skipped ones included), restored from a checkpoint."""
+    return self._steps
+
+  host_optimizer = property(lambda self: self._rt.host_opt,
+                            doc="The `HostOptimizer`: the state store and the updater.")
+  transport = property(lambda self: self._rt.transport, doc="How this trainer moves bytes.")
+  runtime = property(lambda self: self._rt, doc="The `Runtime`: the parts its threads "
+                     "share (the ledger, the update clock, the prefetcher).")
+
   def _settled(self) -> None:
     """Valid, with the last step's updates done (nothing to wait for once closed)."""
     if self._health.error is not None or not self._health.closed:

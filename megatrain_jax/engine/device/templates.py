@@ -21,7 +21,7 @@ from megatrain_jax.engine.device.head import head_functions, sum_squares
 from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.models.lora import layer_keys
+from megatrain_jax.models.lora import layer_keys, strip_adapters
 from megatrain_jax.models.policy import PolicyLoss
 
 
@@ -64,7 +64,8 @@ class Templates:
 
   def __init__(self, cfg: LlamaConfig, embed: FlatSpec, blocks: list[FlatSpec],
                head: FlatSpec, compute_dtype: Any, loss_chunk_tokens: int | None = None,
-               recompute: str = "full", policy: PolicyLoss | None = None):
+               recompute: str = "full", policy: PolicyLoss | None = None,
+               base_only: bool = False):
     """Builds (does not yet compile) the templates.
 
     Args:
@@ -76,8 +77,10 @@ class Templates:
       loss_chunk_tokens: tokens per chunk of logits (None: the loss's default).
       recompute: what a layer's backward recomputes (`EngineConfig.recompute`).
       policy: a policy-gradient loss (`models.policy`), or None for cross-entropy.
+      base_only: leave LoRA adapters out of the forward (`without_adapters`).
     """
     self._counts, self._scratch, self._kept_shapes = {}, {}, {}  # by name, shape, key
+    self._args = (embed, blocks, head, compute_dtype, loss_chunk_tokens, recompute, policy)
     self._last_shape: tuple | None = None  # (x's shape, dtype, packed) of the last block
     self._specs = (embed, head)
     self.cfg = cfg
@@ -94,7 +97,8 @@ class Templates:
     self._kinds = tuple((blocks[i], cfg.layer_window(i)) for i in range(cfg.n_layers))
 
     def block_fwd(flat, x, pos, seg, keys, spec, window):
-      return llama.block_apply_stats(cfg, spec.unflatten(flat), x, pos, window, seg, keys)
+      p = strip_adapters(spec.unflatten(flat)) if base_only else spec.unflatten(flat)
+      return llama.block_apply_stats(cfg, p, x, pos, window, seg, keys)
 
     def block_bwd(flat, x, g, g_probs, pos, seg, keys, spec, window):
       def f(ft, x):  # differentiated in the elements that train only
@@ -139,6 +143,15 @@ class Templates:
     self.head_logprobs = jax.jit(self._counted("head_logprobs", hf.logprobs))
     self._tail = jax.jit(self._counted("tail_fwd_bwd", hf.tail), static_argnums=(11, 12))
     self.embed_bwd = jax.jit(self._counted("embed_bwd", embed_bwd))
+
+  def without_adapters(self) -> "Templates":
+    """Templates over the same units that leave LoRA adapters out: the frozen base's
+    forward (a policy's reference), with no second copy of the weights.
+
+    Returns:
+      New templates (compiled on first use).
+    """
+    return Templates(self.cfg.replace(lora=None), *self._args, base_only=True)
 
   def block_fwd(self, flat: jax.Array, x: jax.Array, layer: int, positions=None,
                 segment_ids=None, dropout_keys=None) -> tuple[jax.Array, Any]:
