@@ -1,6 +1,7 @@
 """The accelerator check: link bandwidth by source kind and d2h path, the cuDNN attention
-kernel against the blockwise one, streaming vs resident, the cost of making the
-streaming copy at each fetch, and the largest model host RAM holds.
+kernel against the blockwise one, streaming vs resident, the largest model host RAM
+holds, generation resident vs streamed, and the cost of making the streaming copy at
+each fetch.
 
   bash experiments/gpu_check.sh            # on the GPU machine; writes $OUT/gpu_check.json
   python experiments/gpu_check.py --quick --out=/tmp/g.json   # tiny sizes, any machine
@@ -154,6 +155,27 @@ def largest_model(cfg: LlamaConfig, batch_size: int, seq_len: int, steps: int,
           "big_device_peak_bytes": st["device_peak_bytes"], "big_last_step": st["last_step"]}
 
 
+def generation(cfg: LlamaConfig, rows: int, prompt_len: int, new_tokens: int) -> dict:
+  """`mt.generate` greedy, the weights resident against streamed from a
+  StreamingTrainer (fp32, so the tokens must agree): tokens/s of each, second calls
+  (compiled)."""
+  from megatrain_jax.generation import generate  # pylint: disable=import-outside-toplevel
+  prompts = np.random.default_rng(0).integers(0, cfg.vocab_size, (rows, prompt_len)).tolist()
+  with StreamingTrainer.from_config(cfg, adamw(1e-5), EngineConfig(),
+                                    jax.random.key(0)) as eng:
+    out = {}
+    for mode in ("resident", "streamed"):
+      run = lambda: generate(eng, prompts, new_tokens, temperature=0.0,
+                             streamed=mode == "streamed")
+      run()
+      g = run()
+      out[mode] = g
+  return {"gen_rows": rows, "gen_new_tokens": new_tokens,
+          "gen_resident_tokens_per_s": out["resident"].stats["tokens_per_s"],
+          "gen_streamed_tokens_per_s": out["streamed"].stats["tokens_per_s"],
+          "gen_streamed_equals_resident": out["resident"].tokens == out["streamed"].tokens}
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -178,6 +200,10 @@ def main(argv):
   big = TINY if quick else BIG
   out.update(largest_model(big, 2 if quick else 4, 64 if quick else 4096,
                            1 if quick else 3, FLAGS.peak_tflops))
+  save(out)
+  out.update(generation(fits, 4 if quick else 32, 8 if quick else 128,
+                        4 if quick else 64))
+  logging.info("generation: %s", {k: v for k, v in out.items() if k.startswith("gen_")})
   save(out)
   # Last, so that a run cut short by the time limit still has the figures above.
   copies = stream_copy_cost(fits, suite.batch_size, suite.seq_len, suite.reps)
