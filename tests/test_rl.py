@@ -152,3 +152,23 @@ def test_a_lora_policy_scores_its_frozen_base_as_the_reference():
       np.testing.assert_allclose(trainer.logprobs(batch, adapters=False), base, atol=1e-5)
       assert np.abs(trainer.logprobs(batch) - base).max() > 1e-3  # the adapters moved
     np.testing.assert_allclose(eng.logprobs(batch), ref.logprobs(batch), atol=1e-5)
+
+
+def test_masked_tokens_cannot_overflow_the_loss():
+  """Log-probs far out on masked tokens (pads, prompts) change nothing: the log-ratio
+  of a masked token is never exponentiated."""
+  policy = mt.rl.PolicyLoss(kl_coef=0.1)
+  ref = mt.ResidentTrainer(_model(CFG), optax.adam(1e-2), loss=policy)
+  sane = _with_policies(_batch(CFG), ref.logprobs(_batch(CFG)))
+  wild = {k: v.copy() for k, v in sane.items()}
+  off = sane["loss_mask"] == 0
+  wild["old_logprobs"][off], wild["ref_logprobs"][off] = -1e4, 1e4
+  want = ref.evaluate(sane)
+  assert np.isfinite(want["loss"]) and ref.evaluate(wild) == want
+  with mt.StreamingTrainer(_model(CFG), optax.adam(1e-2), mt.EngineConfig(grad_accum=2),
+                           loss=policy) as a, \
+       mt.StreamingTrainer(_model(CFG), optax.adam(1e-2), mt.EngineConfig(grad_accum=2),
+                           loss=policy) as b:
+    got, base = a.step(wild), b.step(sane)
+    assert "skipped" not in got and got["loss"] == base["loss"]
+    assert float(got["grad_norm"]) == float(base["grad_norm"])

@@ -108,7 +108,7 @@ def policy_loss_sum(h_NxD, w_DxV, labels_N, mask_N, weight_N, rows: dict[str, ja
   @jax.checkpoint
   def chunk_sums(r):
     logits_CxV = jnp.dot(r["h"], w, preferred_element_type=jnp.float32)
-    loss_C, metrics = policy.token_terms(logits_CxV, r["labels"], r["rows"])
+    loss_C, metrics = policy.token_terms(logits_CxV, r["labels"], r["mask"], r["rows"])
     return jnp.sum(r["weight"] * loss_C), {k: jnp.sum(r["mask"] * v)
                                            for k, v in metrics.items()}
 

@@ -121,23 +121,28 @@ class PolicyLoss:
       return mask / jnp.maximum(jnp.sum(mask, axis=-1, keepdims=True), 1.0)
     return mask
 
-  def token_terms(self, logits_NxV: jax.Array, labels_N: jax.Array,
+  def token_terms(self, logits_NxV: jax.Array, labels_N: jax.Array, mask_N: jax.Array,
                   rows: Mapping[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Each token's loss and metrics from its fp32 logits.
 
     Args:
       logits_NxV: fp32 logits.
       labels_N: the sampled tokens.
+      mask_N: the loss mask: a masked-out token's log-ratios are taken as 0 before
+        any exp, so that its values (a pad's, a prompt's) can never overflow into
+        the loss or the gradient.
       rows: "advantages", optionally "old_logprobs" and "ref_logprobs", each [N].
 
     Returns:
-      (loss [N], {metric name: [N]}), before any mask or weight.
+      (loss [N], {metric name: [N]}), before any weight (0 where masked out).
     """
+    live = mask_N > 0
     logz_N = jax.nn.logsumexp(logits_NxV, axis=-1)
     logp_N = jnp.take_along_axis(logits_NxV, labels_N[:, None], axis=-1)[:, 0] - logz_N
-    adv = rows["advantages"]
+    adv = jnp.where(live, rows["advantages"], 0.0)
     old = rows.get("old_logprobs")
-    ratio = jnp.exp(logp_N - (jax.lax.stop_gradient(logp_N) if old is None else old))
+    log_ratio = logp_N - (jax.lax.stop_gradient(logp_N) if old is None else old)
+    ratio = jnp.exp(jnp.where(live, log_ratio, 0.0))
     clipped = jnp.clip(ratio, 1.0 - self.clip_eps_low, 1.0 + self.clip_eps_high)
     loss_N = -jnp.minimum(ratio * adv, clipped * adv)
     held = ((ratio < 1.0 - self.clip_eps_low) & (adv < 0)) | (
@@ -148,7 +153,7 @@ class PolicyLoss:
     metrics = {"clip_fraction": held.astype(jnp.float32), "entropy": entropy_N}
     ref = rows.get("ref_logprobs")
     if ref is not None:
-      delta = ref - logp_N
+      delta = jnp.where(live, ref - logp_N, 0.0)
       kl_N = jnp.exp(delta) - delta - 1.0
       metrics["kl"] = jax.lax.stop_gradient(kl_N)
       if self.kl_coef:
@@ -239,6 +244,7 @@ def batch_loss(policy: PolicyLoss, logits_BxTxV: jax.Array, labels_BxT: jax.Arra
   b, t, v = logits_BxTxV.shape
   mask = mask_BxT.astype(jnp.float32)
   loss_N, metrics = policy.token_terms(logits_BxTxV.reshape(b * t, v), labels_BxT.reshape(-1),
+                                       mask.reshape(-1),
                                        {k: x.reshape(-1) for k, x in rows.items()})
   total = jnp.sum(policy.weights(mask).reshape(-1) * loss_N)
   tokens = jnp.maximum(jnp.sum(mask), 1.0)
