@@ -48,8 +48,8 @@ flags.DEFINE_enum("state_tier", "host", list(STATE_TIERS), "Where the fp32 maste
 flags.DEFINE_integer("state_in_flight", 2, "With --state_tier=disk: units whose state "
                      "is read ahead, and written behind, at most.", lower_bound=1)
 flags.DEFINE_string("grpo", None, "Predict one GRPO iteration instead of a step: "
-                    "PROMPTSxGROUP:PROMPT_LEN+COMPLETION_LEN[:POLICY_STEPS], e.g. "
-                    "32x8:256+768 (docs/rl.md).")
+                    "PROMPTSxGROUP:PROMPT_LEN+COMPLETION_LEN[:POLICY_STEPS[:GENERATE_ROWS]], "
+                    "e.g. 32x8:256+768:1:64 (docs/rl.md).")
 FLAGS = flags.FLAGS
 
 
@@ -94,17 +94,18 @@ def main(argv):
 def _grpo(cfg, opt, ec, hw, spec: str):
   """The GRPO estimate of a --grpo spec."""
   try:
-    shape, lengths, *steps = spec.split(":")
+    shape, lengths, *rest = spec.split(":")
     prompts, group = (int(x) for x in shape.split("x"))
     prompt_len, completion_len = (int(x) for x in lengths.split("+"))
-    policy_steps = int(steps[0]) if steps else 1
+    policy_steps, generate_rows = [int(x) for x in rest] + [1, None][len(rest):]
   except ValueError:
     raise app.UsageError(f"--grpo={spec!r}: write PROMPTSxGROUP:PROMPT_LEN+COMPLETION_LEN"
-                         "[:POLICY_STEPS], e.g. 32x8:256+768.") from None
+                         "[:POLICY_STEPS[:GENERATE_ROWS]], e.g. 32x8:256+768:1:64.") from None
   cfg = cfg.replace(max_seq_len=max(cfg.max_seq_len, prompt_len + completion_len))
   try:
     return rl_planner.grpo_iteration(cfg, opt, ec, hw, prompts, group, prompt_len,
-                                     completion_len, policy_steps)
+                                     completion_len, policy_steps,
+                                     generate_rows=generate_rows)
   except ValueError as e:
     raise app.UsageError(str(e)) from None
 

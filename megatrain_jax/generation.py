@@ -27,7 +27,7 @@ import dataclasses
 import functools
 import numbers
 import time
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Iterable, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -35,12 +35,15 @@ import numpy as np
 from absl import logging
 
 from megatrain_jax.engine import StreamingTrainer
+from megatrain_jax.engine.platform import accelerator_bytes
 from megatrain_jax.models import decode, llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.resident import ResidentTrainer
 
 Params = dict[str, Any]
-KV_CACHES = ("device", "host")
+KV_CACHES = ("auto", "device", "host")
+# Below this temperature softmax(logits / T) overflows in fp32: use 0 for greedy.
+MIN_TEMPERATURE = 1e-3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,26 +91,29 @@ class _Source(NamedTuple):
 
   cfg: LlamaConfig
   compute_dtype: Any
-  units: Callable[[], list[Params]]
+  units: Callable[[], Iterable[Params]]  # fp32 unit trees, one at a time
   streams: bool  # streamed by default
+  budget: int | None  # device bytes generation may use (None: unknown)
 
 
 def _source(model_or_trainer) -> _Source:
   obj = model_or_trainer
   if isinstance(obj, StreamingTrainer):
     return _Source(obj.cfg, obj.config.compute_dtype,
-                   lambda: [obj.unit_params(u) for u in range(obj.cfg.n_layers + 2)], True)
+                   lambda: (obj.unit_params(u) for u in range(obj.cfg.n_layers + 2)), True,
+                   obj.config.device_budget_bytes or accelerator_bytes())
   if isinstance(obj, ResidentTrainer):
-    return _Source(obj.cfg, obj.compute_dtype, lambda: llama.split_units(obj.params()), False)
+    return _Source(obj.cfg, obj.compute_dtype, lambda: llama.split_units(obj.params()), False,
+                   accelerator_bytes())
   if isinstance(obj, llama.Llama):
     return _Source(obj.cfg, obj.compute_dtype, lambda: llama.split_units(obj.param_tree()),
-                   False)
+                   False, accelerator_bytes())
   raise TypeError(f"generate needs an mt.Llama, a ResidentTrainer or a StreamingTrainer, "
                   f"got {type(obj).__name__}.")
 
 
 def _check(cfg: LlamaConfig, prompts, max_new_tokens, temperature, top_p, key, eos_id,
-           kv_cache) -> list[np.ndarray]:
+           pad_id, kv_cache) -> list[np.ndarray]:
   """The prompts as int32 arrays, once every argument is known to be usable."""
   if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) \
       or max_new_tokens < 1:
@@ -130,19 +136,28 @@ def _check(cfg: LlamaConfig, prompts, max_new_tokens, temperature, top_p, key, e
                        f"{max_new_tokens} that is past the model's max_seq_len="
                        f"{cfg.max_seq_len}: shorten the prompt or generate fewer tokens.")
     rows.append(a.astype(np.int32))
-  if not (isinstance(temperature, numbers.Real) and np.isfinite(temperature)
+  if not (isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+          and np.isfinite(temperature)
           and temperature >= 0):
     raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 "
                      "(0: greedy).")
   if not (isinstance(top_p, numbers.Real) and 0 < top_p <= 1):
     raise ValueError(f"top_p={top_p!r} must be in (0, 1] (1: no nucleus filtering).")
+  if 0 < temperature < MIN_TEMPERATURE:
+    raise ValueError(f"temperature={temperature!r} is below {MIN_TEMPERATURE}, where "
+                     "logits / temperature overflow: use temperature=0.0 for greedy.")
   if temperature > 0 and key is None:
     raise ValueError(f"temperature={temperature} samples, which needs an explicit PRNG key: "
                      "pass key=jax.random.key(0) (or temperature=0.0 for greedy decoding).")
   if key is not None and not isinstance(key, jax.Array):
     raise ValueError(f"key={key!r} is not a PRNG key: pass e.g. jax.random.key(0).")
-  if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-    raise ValueError(f"eos_id={eos_id} is outside [0, vocab_size={cfg.vocab_size}).")
+  if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(
+      eos_id, (int, np.integer)) or not 0 <= eos_id < cfg.vocab_size):
+    raise ValueError(f"eos_id={eos_id!r} must be a token id in [0, vocab_size="
+                     f"{cfg.vocab_size}).")
+  if isinstance(pad_id, bool) or not isinstance(pad_id, (int, np.integer)):
+    raise ValueError(f"pad_id={pad_id!r} must be an int (what `Generation.padded` fills "
+                     "with; it never reaches the model).")
   if kv_cache not in KV_CACHES:
     raise ValueError(f"kv_cache={kv_cache!r} is not one of {KV_CACHES}.")
   return rows
@@ -172,7 +187,7 @@ class _Resident:
   def __init__(self, cfg, units, dtype, batch, capacity):
     self.cfg = cfg
     self.params = jax.tree.map(lambda a: jnp.asarray(a).astype(dtype),
-                               llama.assemble_units(units))
+                               llama.assemble_units(list(units)))
     self.h2d_bytes = _nbytes(self.params)
     self.caches = [decode.empty_cache(cfg, batch, capacity, dtype)
                    for _ in range(cfg.n_layers)]
@@ -184,11 +199,14 @@ class _Resident:
 
 
 class _Streamed:
-  """Host copies of the compute-dtype units; each call streams every layer once."""
+  """Host copies of the compute-dtype units (each cast as it is read: one fp32 unit at
+  a time); each call streams every layer once, or, with `keep_weights`, moves them
+  once and keeps them (resident weights beside a cache in host memory)."""
 
-  def __init__(self, cfg, units, dtype, batch, capacity, kv_cache):
+  def __init__(self, cfg, units, dtype, batch, capacity, kv_cache, keep_weights=False):
     self.cfg = cfg
     self.units = [jax.tree.map(lambda a: np.asarray(a).astype(dtype), u) for u in units]
+    self.kept = {} if keep_weights else None
     device = jax.local_devices()[0]
     kinds = {m.kind for m in device.addressable_memories()}
     sharding = jax.sharding.SingleDeviceSharding
@@ -206,18 +224,25 @@ class _Streamed:
     self.h2d_bytes += _nbytes(tree)
     return jax.device_put(tree, self.on_device)
 
-  def _head(self):
-    return {"head": self.units[-1],
-            "embed": self.units[0] if self.cfg.tie_embeddings else None}
+  def _unit(self, u: int):
+    """Unit u on the device (the head with a tied embedding, for u = L + 1)."""
+    if self.kept is not None and u in self.kept:
+      return self.kept[u]
+    tree = self.units[u] if u <= self.cfg.n_layers else {
+        "head": self.units[-1], "embed": self.units[0] if self.cfg.tie_embeddings else None}
+    out = self._put(tree)
+    if self.kept is not None:
+      self.kept[u] = out
+    return out
 
   def __call__(self, ids_BxS, positions_BxS, lengths_B, index_B):
     cfg, n = self.cfg, self.cfg.n_layers
     # The embedding stays on the host: only the new tokens' rows move.
     x = self._put(self.units[0]["embedding"][ids_BxS])
     positions, lengths = jax.device_put((positions_BxS, lengths_B), self.on_device)
-    upcoming = self._put(self.units[1] if n else self._head())
+    upcoming = self._unit(1)
     for i in range(n):
-      p, upcoming = upcoming, self._put(self.units[i + 2] if i + 1 < n else self._head())
+      p, upcoming = upcoming, self._unit(i + 2)
       cache = self.caches[i]
       if self.on_host is not None:
         cache = jax.device_put(cache, self.on_device)
@@ -240,10 +265,11 @@ def _sample(logits_BxV, key, temperature, top_p, *, greedy: bool, nucleus: bool)
     scaled = logits_BxV / temperature
     if nucleus:  # keep the most likely tokens whose mass reaches top_p (the first always)
       probs = jax.nn.softmax(scaled, axis=-1)
-      desc = -jnp.sort(-probs, axis=-1)
-      kept = (jnp.cumsum(desc, axis=-1) - desc) < top_p
-      floor = jnp.min(jnp.where(kept, desc, jnp.inf), axis=-1, keepdims=True)
-      scaled = jnp.where(probs >= floor, scaled, -jnp.inf)
+      order = jnp.argsort(-probs, axis=-1)  # ties: the lower id first, as argmax
+      desc = jnp.take_along_axis(probs, order, axis=-1)
+      kept_sorted = (jnp.cumsum(desc, axis=-1) - desc) < top_p
+      kept = jnp.take_along_axis(kept_sorted, jnp.argsort(order, axis=-1), axis=-1)
+      scaled = jnp.where(kept, scaled, -jnp.inf)
     token_B = jax.random.categorical(key, scaled, axis=-1)
   token_B = token_B.astype(jnp.int32)
   return token_B, jnp.take_along_axis(logp_BxV, token_B[:, None], axis=-1)[:, 0]
@@ -254,7 +280,7 @@ def _sample(logits_BxV, key, temperature, top_p, *, greedy: bool, nucleus: bool)
 def generate(model_or_trainer, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
              temperature: float = 1.0, top_p: float = 1.0, key: jax.Array | None = None,
              eos_id: int | None = None, pad_id: int = 0, streamed: bool | None = None,
-             kv_cache: str = "device", compute_dtype=None) -> Generation:
+             kv_cache: str = "auto", compute_dtype=None) -> Generation:
   """Continues each prompt by up to `max_new_tokens` tokens.
 
   Args:
@@ -270,10 +296,13 @@ def generate(model_or_trainer, prompts: Sequence[Sequence[int]], max_new_tokens:
     eos_id: a row ends once it produced this token (kept in its output); None: rows
       run to `max_new_tokens`.
     pad_id: what `Generation.padded` fills with (never fed to the model).
-    streamed: stream the layers through the device each step; None: when given a
-      `StreamingTrainer` or kv_cache="host", else resident.
-    kv_cache: "device", or "host" to keep each layer's cache in host memory
-      (streamed only).
+    streamed: stream the layers through the device each step, or keep them there;
+      None: as `models.decode.placement` decides for the device's memory (a
+      StreamingTrainer's `device_budget_bytes`, else the accelerator's), resident
+      where it is unknown (the CPU backend) except for a StreamingTrainer.
+    kv_cache: "device", "host" (each layer's cache waits in host memory and comes to
+      the device for its layer's turn), or "auto": as `placement` decides ("device"
+      where the memory is unknown).
     compute_dtype: the dtype the model computes in (None: the model's or trainer's).
 
   Returns:
@@ -282,25 +311,28 @@ def generate(model_or_trainer, prompts: Sequence[Sequence[int]], max_new_tokens:
   Raises:
     ValueError: an empty prompt list or prompt, token ids outside [0, vocab_size), a
       prompt plus max_new_tokens past `max_seq_len`, max_new_tokens < 1, top_p
-      outside (0, 1], a negative temperature, sampling without a key, an eos_id
-      outside the vocabulary, an unknown kv_cache, or kv_cache="host" with
-      streamed=False.
+      outside (0, 1], a negative temperature or one below `MIN_TEMPERATURE`,
+      sampling without a key, an eos_id outside the vocabulary, a pad_id that is not
+      an int, or an unknown kv_cache.
     TypeError: `model_or_trainer` is none of the three.
   """
   src = _source(model_or_trainer)
   cfg = src.cfg
-  rows = _check(cfg, prompts, max_new_tokens, temperature, top_p, key, eos_id, kv_cache)
-  if streamed is None:
-    streamed = src.streams or kv_cache == "host"
-  if kv_cache == "host" and not streamed:
-    raise ValueError("kv_cache='host' streams each layer's cache with its weights: pass "
-                     "streamed=True (or leave streamed=None).")
+  rows = _check(cfg, prompts, max_new_tokens, temperature, top_p, key, eos_id, pad_id,
+                kv_cache)
   dtype = jnp.dtype(compute_dtype or src.compute_dtype)
   b, width = len(rows), max(len(r) for r in rows)
   capacity = width + max_new_tokens
+  fits = (None, None) if src.budget is None else decode.placement(cfg, dtype, b, capacity,
+                                                                    src.budget)
+  if streamed is None:
+    streamed = src.streams if fits[0] is None else fits[0]
+  if kv_cache == "auto":
+    kv_cache = fits[1] or "device"
   start = time.perf_counter()
-  runner = (_Streamed(cfg, src.units(), dtype, b, capacity, kv_cache) if streamed else
-            _Resident(cfg, src.units(), dtype, b, capacity))
+  runner = (_Resident(cfg, src.units(), dtype, b, capacity)
+            if not streamed and kv_cache == "device" else
+            _Streamed(cfg, src.units(), dtype, b, capacity, kv_cache, keep_weights=not streamed))
   logging.vlog(1, "generate: %d rows, prompts of %d-%d tokens, up to %d new, %s, %s, "
                "kv cache on the %s.", b, min(len(r) for r in rows), width, max_new_tokens,
                "streamed" if streamed else "resident", dtype.name, kv_cache)

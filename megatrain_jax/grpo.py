@@ -36,6 +36,9 @@ class GrpoConfig:
     eos_id: the token that ends a completion.
     pad_id: what pads a training row.
     scale_advantages: divide by each group's reward spread (GRPO; Dr. GRPO does not).
+    generate_rows: rows per `mt.generate` call (None: all of an iteration's rows at
+      once); fewer rows make a smaller KV cache (`experiments/plan.py --grpo` says
+      where it fits).
   """
 
   group_size: int = 8
@@ -47,6 +50,7 @@ class GrpoConfig:
   eos_id: int | None = None
   pad_id: int = 0
   scale_advantages: bool = True
+  generate_rows: int | None = None
 
 
 Reward = Callable[[Any, Sequence[int]], float]
@@ -69,14 +73,24 @@ def rollout(trainer, prompts: Sequence[Sequence[int]], problems: Sequence[Any],
   Returns:
     The rollouts, each prompt's group consecutive (group: first_group + the
     prompt's index).
+
+  Raises:
+    ValueError: prompts `mt.generate` refuses (see there).
   """
   rows = [p for p in prompts for _ in range(config.group_size)]
-  out = generate(trainer, rows, config.max_new_tokens, temperature=config.temperature,
-                 top_p=config.top_p, key=key, eos_id=config.eos_id)
+  step = config.generate_rows or len(rows)
+  tokens, logprobs = [], []
+  for start in range(0, len(rows), step):  # the call from row s draws with fold_in(key, s)
+    out = generate(trainer, rows[start:start + step], config.max_new_tokens,
+                   temperature=config.temperature, top_p=config.top_p,
+                   key=jax.random.fold_in(key, start) if start else key,
+                   eos_id=config.eos_id)
+    tokens += out.tokens
+    logprobs += out.logprobs
   g = config.group_size
   return [Rollout(tuple(rows[i]), tuple(toks), reward(problems[i // g], toks),
-                  first_group + i // g, tuple(float(x) for x in out.logprobs[i]))
-          for i, toks in enumerate(out.tokens)]
+                  first_group + i // g, tuple(float(x) for x in logprobs[i]))
+          for i, toks in enumerate(tokens)]
 
 
 def train_on(trainer, rollouts: Sequence[Rollout], config: GrpoConfig,
@@ -94,6 +108,12 @@ def train_on(trainer, rollouts: Sequence[Rollout], config: GrpoConfig,
   Returns:
     The metrics: the rollouts' "reward_mean", "reward_std" and "response_length",
     and the steps' mean "loss", "clip_fraction", "entropy" (and "kl" with `ref`).
+
+  Raises:
+    ValueError: rollouts `rollouts.policy_batch` refuses, or a batch the trainer
+      refuses (a trainer without a policy loss, a batch size grad_accum does not
+      divide).
+    FloatingPointError: a non-finite step (as `trainer.step`).
   """
   batch = policy_batch(rollouts, config.seq_len, config.pad_id, config.scale_advantages)
   batch["old_logprobs"] = trainer.logprobs(batch)

@@ -154,7 +154,7 @@ def run(config: AdditionRun, workdir: str, rollouts_path: str | None = None,
   from_file = rollouts_lib.read_jsonl(rollouts_path) if rollouts_path else None
   sft, sft_steps = supervised_start(config)
   policy_loss = PolicyLoss(config.clip_eps_low, config.clip_eps_high, config.kl_coef,
-                           config.aggregation)
+                           config.aggregation, max_tokens=MAX_NEW_TOKENS)
   policy = StreamingTrainer.from_units(
       config.model, optax.adam(config.lr), EngineConfig(),
       (sft.unit_params(u) for u in range(config.n_layers + 2)), loss=policy_loss)

@@ -50,7 +50,7 @@ class ResidentTrainer:
     self.remat = remat
     self.compute_dtype = compute_dtype
     self._chunk = loss_chunk_tokens
-    self.loss = loss
+    self._policy = loss
     params = jax.tree.map(lambda a: jnp.array(a, copy=True), model.param_tree())
     self._mask = None if trainable is None else trainable_lib.mask(model, trainable)
     self._params, self._frozen = (params, None) if self._mask is None else \
@@ -74,7 +74,7 @@ class ResidentTrainer:
   def _loss(self, params, frozen, batch, keys=None):
     return model_loss_and_metrics(self.cfg, self._whole(params, frozen), batch,
                                   self.compute_dtype, self._chunk, self.remat, keys,
-                                  policy=self.loss)
+                                  policy=self._policy)
 
   def _step_fn(self, params, opt_state, frozen, batch, keys):
     (loss, metrics), grads = jax.value_and_grad(self._loss, has_aux=True)(
@@ -147,6 +147,9 @@ class ResidentTrainer:
 
     Returns:
       float32 [B, T]: log softmax(logits)[label] at each position.
+
+    Raises:
+      ValueError: a malformed batch (see `check_batch`).
     """
     batch = check_batch(self.cfg, {k: v for k, v in batch.items() if k not in POLICY_KEYS})
     return np.asarray(self._jit_logprobs(self._params, self._frozen, batch,
@@ -154,7 +157,7 @@ class ResidentTrainer:
 
   def _check(self, batch):
     batch = check_batch(self.cfg, batch)
-    check_keys(self.loss, batch)
+    check_keys(self._policy, batch)
     return batch
 
   def loss_and_grads(self, batch: dict[str, Any], key: jax.Array | None = None):
@@ -183,6 +186,8 @@ class ResidentTrainer:
       The parameter tree (frozen ones included), as host numpy arrays.
     """
     return jax.tree.map(np.asarray, self._whole(self._params, self._frozen))
+
+  loss = property(lambda self: self._policy, doc="The policy loss, or None: cross-entropy.")
 
   @property
   def step_count(self) -> int:

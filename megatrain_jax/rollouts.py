@@ -21,6 +21,7 @@ import json
 from typing import Any, Hashable, Iterable, Sequence
 
 import numpy as np
+from absl import logging
 
 from megatrain_jax.models.policy import group_advantages
 
@@ -68,10 +69,22 @@ class Rollout:
 
 
 def _ids(value, where: str, key: str) -> tuple[int, ...]:
-  if (not isinstance(value, list) or not value
-      or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)):
-    raise ValueError(f"{where}: {key!r} must be a non-empty list of token ids (ints >= 0).")
+  if (not isinstance(value, list) or not value or not all(
+      isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in value)):
+    raise ValueError(f"{where}: {key!r} must be a non-empty list of token ids (ints in "
+                     "[0, 2**31)).")
   return tuple(value)
+
+
+def _number(value) -> float | None:
+  """A finite float, or None."""
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    return None
+  try:
+    x = float(value)
+  except OverflowError:
+    return None
+  return x if np.isfinite(x) else None
 
 
 def parse(record: Any, where: str = "rollout") -> Rollout:
@@ -86,8 +99,9 @@ def parse(record: Any, where: str = "rollout") -> Rollout:
 
   Raises:
     ValueError: not an object, a missing key, ids that are not non-empty lists of
-      non-negative ints, a reward that is not a finite number, or logprobs whose
-      length is not the completion's.
+      non-negative ints, a reward that is not a finite number, logprobs that are not
+      one finite number <= 0 per completion token, or a group that is not a string
+      or a number.
   """
   if not isinstance(record, dict):
     raise ValueError(f"{where}: a rollout is a JSON object, got {type(record).__name__}.")
@@ -97,19 +111,21 @@ def parse(record: Any, where: str = "rollout") -> Rollout:
                      f"optionally {list(_KNOWN[3:])}.")
   prompt = _ids(record["prompt_ids"], where, "prompt_ids")
   completion = _ids(record["completion_ids"], where, "completion_ids")
-  reward = record["reward"]
-  if isinstance(reward, bool) or not isinstance(reward, (int, float)) or not np.isfinite(reward):
-    raise ValueError(f"{where}: 'reward' must be a finite number, got {reward!r}.")
+  reward = _number(record["reward"])
+  if reward is None:
+    raise ValueError(f"{where}: 'reward' must be a finite number, got {record['reward']!r}.")
   logprobs = record.get("logprobs")
   if logprobs is not None:
     if not isinstance(logprobs, list) or len(logprobs) != len(completion):
       raise ValueError(f"{where}: 'logprobs' must list one number per completion token "
                        f"({len(completion)}).")
-    logprobs = tuple(float(x) for x in logprobs)
+    logprobs = tuple(_number(x) for x in logprobs)
+    if any(x is None or x > 0 for x in logprobs):
+      raise ValueError(f"{where}: 'logprobs' must be finite numbers <= 0.")
   group = record.get("group")
-  if isinstance(group, list):
-    group = tuple(group)
-  return Rollout(prompt, completion, float(reward), group, logprobs,
+  if group is not None and (isinstance(group, bool) or not isinstance(group, (str, int, float))):
+    raise ValueError(f"{where}: 'group' must be a string or a number, got {group!r}.")
+  return Rollout(prompt, completion, reward, group, logprobs,
                  {k: v for k, v in record.items() if k not in _KNOWN})
 
 
@@ -162,10 +178,18 @@ def groups(rollouts: Sequence[Rollout]) -> list[list[Rollout]]:
 
   Returns:
     One list per group.
+
+  Raises:
+    ValueError: a group name shared by different prompts (a server's batch-local
+      names reused across batches would merge unrelated groups).
   """
   by_key: dict[Hashable, list[Rollout]] = {}
-  for r in rollouts:
-    by_key.setdefault(r.group_key, []).append(r)
+  for i, r in enumerate(rollouts):
+    g = by_key.setdefault(r.group_key, [])
+    if g and g[0].prompt_ids != r.prompt_ids:
+      raise ValueError(f"Rollout {i}: group {r.group_key!r} already holds another prompt; "
+                       "a group is the completions of one prompt: name groups uniquely.")
+    g.append(r)
   return list(by_key.values())
 
 
@@ -188,14 +212,19 @@ def policy_batch(rollouts: Sequence[Rollout], seq_len: int, pad_id: int = 0,
     {"input_ids", "labels", "loss_mask", "advantages"}, [len(rollouts), seq_len].
 
   Raises:
-    ValueError: no rollouts, or a prompt + completion longer than seq_len + 1.
+    ValueError: no rollouts, a prompt + completion longer than seq_len + 1, or a
+      group name shared by different prompts.
   """
   if not rollouts:
     raise ValueError("No rollouts to train on.")
-  adv = {}
+  adv, alone = {}, 0
   for g in groups(rollouts):
+    alone += len(g) == 1
     for r, a in zip(g, group_advantages([r.reward for r in g], len(g), scale=scale)):
       adv[id(r)] = a
+  if alone:
+    logging.warning("%d group(s) of a single completion: their advantage is 0, so they "
+                    "train nothing (GRPO compares completions of one prompt).", alone)
   b = len(rollouts)
   ids = np.full((b, seq_len + 1), pad_id, np.int32)
   mask = np.zeros((b, seq_len), np.float32)

@@ -213,10 +213,45 @@ def test_host_kv_cache_equals_device_kv_cache(trainer, sample_model):
   run = lambda source, **more: mt.generate(source, SAMPLE_PROMPTS, SAMPLE_NEW, **kw, **more)
   on_device, on_host = run(trainer), run(trainer, kv_cache="host")
   resident = run(sample_model)
+  # Resident weights (moved once) beside a cache in host memory.
+  kept = run(sample_model, streamed=False, kv_cache="host")
   trained = run(mt.ResidentTrainer(sample_model, optax.sgd(0.0)))
-  assert on_host.tokens == on_device.tokens == resident.tokens == trained.tokens
+  assert on_host.tokens == on_device.tokens == resident.tokens == trained.tokens == kept.tokens
   for x, y in zip(on_host.logprobs, on_device.logprobs):
     np.testing.assert_array_equal(x, y)
+  moved = lambda g: g.stats["weight_h2d_bytes"]
+  assert moved(kept) < moved(on_host) / 3  # once, not once per decode step
+
+
+def test_placement_keeps_what_fits_on_the_device():
+  cfg, f32 = mt.LlamaConfig(**BASE).replace(n_layers=4), jnp.float32
+  weights = cfg.param_count() * 4
+  layer_cache = 2 * 1 * 8 * cfg.n_kv_heads * cfg.head_dim * 4  # one row of 8 slots
+  place = lambda budget: decode.placement(cfg, f32, 1, 8, budget)
+  assert place(weights + cfg.n_layers * layer_cache) == (False, "device")
+  assert place(weights + 2 * layer_cache) == (False, "host")
+  assert place(weights - 1) == (True, "device")
+  assert place(layer_cache) == (True, "host")
+  # A StreamingTrainer whose device budget holds the weights and cache generates
+  # resident (every weight moved once), one whose budget does not, streamed.
+  prompts = [[1, 2, 3]] * 2
+  for budget, once in ((10**9, True), (weights - 1, False)):
+    with mt.StreamingTrainer(mt.Llama(cfg, params=_perturbed(cfg, seed=3)), optax.sgd(0.0),
+                             mt.EngineConfig(device_budget_bytes=budget)) as tr:
+      g = mt.generate(tr, prompts, 6, temperature=0.0)
+    assert (g.stats["weight_h2d_bytes"] <= weights) == once, (budget, g.stats)
+
+
+def test_top_p_keeps_exactly_the_nucleus_when_tokens_tie():
+  """With every logit equal, top_p=0.3 keeps the first 77 of 256 tokens (their mass
+  reaches 0.3), not every token tied with the last one kept."""
+  params = _perturbed(SAMPLE_CFG, seed=3)
+  params["embed"]["embedding"] = np.zeros_like(params["embed"]["embedding"])  # tied head
+  flat = mt.Llama(SAMPLE_CFG, params=params)
+  draw = lambda top_p: np.concatenate([mt.generate(
+      flat, [[1]] * 16, 3, temperature=1.0, top_p=top_p, key=jax.random.key(k)).padded()[0]
+      for k in range(4)])
+  assert draw(0.3).max() < 77 and draw(1.0).max() >= 77
 
 
 @pytest.mark.parametrize("streamed", [False, True])
@@ -252,7 +287,10 @@ BAD = {
     "int key": (dict(key=0), "not a PRNG key"),
     "eos outside": (dict(eos_id=999), "eos_id=999"),
     "unknown cache": (dict(kv_cache="disk"), "kv_cache='disk'"),
-    "host cache resident": (dict(kv_cache="host", streamed=False), "streamed=True"),
+    "tiny temperature": (dict(temperature=1e-6), "temperature=1e-06 is below"),
+    "bool temperature": (dict(temperature=True), "temperature=True"),
+    "fractional pad": (dict(pad_id=0.5), "pad_id=0.5"),
+    "fractional eos": (dict(eos_id=2.5), "eos_id=2.5"),
 }
 
 

@@ -35,6 +35,12 @@ def _write(path, lines):
     ('{"prompt_ids": [1], "completion_ids": [2, 3], "reward": 1, "logprobs": [-1]}',
      "one number per completion token"),
     ('{"prompt_ids": [1]', "not JSON"),
+    ('{"prompt_ids": [4294967296], "completion_ids": [2], "reward": 1}', "2\\*\\*31"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "reward": 1e400}', "'reward' must be"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "reward": 1, "logprobs": ["a"]}',
+     "finite numbers <= 0"),
+    ('{"prompt_ids": [1], "completion_ids": [2], "reward": 1, "group": {"a": 1}}',
+     "'group' must be a string or a number"),
 ])
 def test_a_bad_rollout_line_is_named_by_its_number(tmp_path, line, message):
   good = '{"prompt_ids": [1], "completion_ids": [2], "reward": 0.5}'
@@ -48,7 +54,7 @@ def test_rollouts_round_trip_and_group_by_prompt_or_by_name(tmp_path):
   rs = [rollouts.Rollout((1, 2), (3,), 1.0, None, (-0.5,)),
         rollouts.Rollout((1, 2), (4, 5), 0.0),
         rollouts.Rollout((7,), (3,), 1.0, "g1"),
-        rollouts.Rollout((8,), (3,), 0.0, "g1", extra={"text": "3"})]
+        rollouts.Rollout((7,), (4,), 0.0, "g1", extra={"text": "3"})]
   path = str(tmp_path / "r.jsonl")
   rollouts.write_jsonl(path, rs[:2])
   rollouts.write_jsonl(path, rs[2:], append=True)
@@ -74,6 +80,8 @@ def test_a_policy_batch_masks_completions_and_normalizes_within_groups():
   assert np.all(b["advantages"][b["loss_mask"] == 0] == 0)
   with pytest.raises(ValueError, match="exceed seq_len"):
     rollouts.policy_batch(rs, seq_len=3)
+  with pytest.raises(ValueError, match="group 'a' already holds another prompt"):
+    rollouts.policy_batch(rs + [rollouts.Rollout((5,), (6,), 1.0, "a")], seq_len=6)
 
 
 def test_policy_steps_move_probability_toward_rewarded_completions():
@@ -146,3 +154,17 @@ def test_a_rollouts_file_trains_as_the_rollouts_it_holds(tmp_path):
   assert [r["step"] for r in recs] == [0, 1, 2]  # 3 groups, 2 per iteration
   assert recs[1]["reward_mean"] == np.mean([x["reward"] for x in lines[:5]])
   assert all(np.isfinite(r["loss"]) for r in recs[1:])
+
+
+def test_rollouts_generated_in_several_calls_equal_one_call_when_greedy():
+  config = grpo.GrpoConfig(group_size=3, max_new_tokens=4, temperature=0.0,
+                           eos_id=addition.EOS)
+  pairs = [(12, 34), (5, 7)]
+  prompts = [addition.prompt(*p) for p in pairs]
+  with mt.StreamingTrainer.from_config(CFG, optax.sgd(0.0), mt.EngineConfig(),
+                                       key=jax.random.key(0)) as policy:
+    whole = grpo.rollout(policy, prompts, pairs, addition.reward, config, jax.random.key(1))
+    split = grpo.rollout(policy, prompts, pairs, addition.reward,
+                         grpo.GrpoConfig(**{**config.__dict__, "generate_rows": 4}),
+                         jax.random.key(1))
+  assert split == whole and len(whole) == 6

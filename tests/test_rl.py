@@ -103,6 +103,8 @@ def test_logprobs_equal_the_resident_model_and_change_nothing():
     b.step(plain)
     got = a.logprobs(batch)  # between steps, with the policy keys present
     assert got.shape == (4, 12) and got.dtype == np.float32
+    unmasked = {**plain, "loss_mask": np.zeros_like(plain["loss_mask"])}
+    np.testing.assert_array_equal(a.logprobs(unmasked), got)  # the mask plays no part
     ref.step(plain)
     np.testing.assert_allclose(got, ref.logprobs(batch), atol=1e-5)
     # The trainer that scored log-probs steps on exactly as the one that did not.

@@ -120,7 +120,7 @@ class StreamingTrainer(TrainerState):
 
   def _setup(self, cfg, optimizer, ec, unit_trees, masks, grad_hook=None, on_op=None,
              loss=None):
-    self.cfg, self.config, self.loss = cfg, ec or EngineConfig(), loss
+    self.cfg, self.config, self._loss = cfg, ec or EngineConfig(), loss
     self.schedule, self.templates, self._rt = build(cfg, optimizer, self.config, unit_trees,
                                                     grad_hook, masks, loss)
     self._executor = Executor(self._rt, self.templates, on_op)
@@ -251,11 +251,13 @@ class StreamingTrainer(TrainerState):
     self._health.check_usable()
     if trains:  # a forward-only pass applies no dropout
       lora.check_key(self.cfg.lora, key)
-    if not need_policy_keys:  # log-probs read no policy key: leave them out
-      batch = {k: v for k, v in batch.items() if k not in POLICY_KEYS}
+    if not need_policy_keys and isinstance(batch, dict):  # log-probs read neither the
+      batch = {k: v for k, v in batch.items() if k not in POLICY_KEYS}  # policy keys
+      if "input_ids" in batch:  # nor the mask: any mask, all zero included, will do
+        batch["loss_mask"] = np.ones(np.shape(batch["input_ids"]), np.float32)
     return preflight.check_step(self.cfg, self.config, batch, self._rt.transport.global_sum,
                                 deferred=self._rt.defer, trains=self._rt.trains,
-                                policy=self.loss if need_policy_keys else None)
+                                policy=self._loss if need_policy_keys else None)
 
   def _sweep(self, batch, total: float, plan, guard, update: bool, key=None) -> Outcome:
     self._rt.pipeline.check()  # a failure after the last step returned
@@ -299,6 +301,8 @@ class StreamingTrainer(TrainerState):
         self._health.fail(e)
         raise
     self._next_started = None
+
+  loss = property(lambda self: self._loss, doc="The policy loss, or None: cross-entropy.")
 
   def wait(self) -> None:
     """Blocks until the last step's updates are done.

@@ -43,6 +43,36 @@ class KVCache(NamedTuple):
   v: jax.Array
 
 
+def placement(cfg: LlamaConfig, dtype, batch: int, capacity: int, budget_bytes: int
+              ) -> tuple[bool, str]:
+  """Where generation keeps the weights and the KV cache on a device of
+  `budget_bytes`: the weights resident when they fit beside the whole cache, or beside
+  two layers' cache (the cache then waits in host memory, like activations);
+  otherwise streamed a layer at a time, the cache on the device when it fits beside
+  two layers' weights, else in host memory.
+
+  Args:
+    cfg: the model.
+    dtype: the compute dtype.
+    batch: rows decoded together.
+    capacity: cache slots per row (the longest prompt plus the new tokens).
+    budget_bytes: the device memory generation may use.
+
+  Returns:
+    (streamed, kv_cache): whether the weights stream, and "device" or "host".
+  """
+  item = jnp.dtype(dtype).itemsize
+  weights = cfg.param_count() * item
+  layer = max(cfg.block_param_count(i) for i in range(cfg.n_layers)) * item
+  layer_cache = 2 * batch * capacity * cfg.n_kv_heads * cfg.head_dim * item
+  cache = cfg.n_layers * layer_cache
+  if weights + cache <= budget_bytes:
+    return False, "device"
+  if weights + 2 * layer_cache <= budget_bytes:
+    return False, "host"
+  return True, "device" if cache + 2 * layer <= budget_bytes else "host"
+
+
 def empty_cache(cfg: LlamaConfig, batch: int, capacity: int, dtype) -> KVCache:
   """A zero cache for one layer.
 

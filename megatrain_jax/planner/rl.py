@@ -4,18 +4,20 @@ An iteration samples `group_size` completions of each of `prompts` prompts (R ro
 of `prompt_len` + `completion_len` tokens), scores the old policy's and the
 reference's log-probabilities (forward-only streamed passes), and takes
 `policy_steps` optimizer steps on the R rows (the step's plan, `plan.plan`, with the
-fewest micro-batches that fit). Generation is modelled as `mt.generate` runs it:
+fewest micro-batches that fit). Generation is modelled as `mt.generate` runs it, all
+`generate_rows` rows per call (all of them by default), with
+`models.decode.placement` choosing where the weights and the
+KV cache live on the device:
 
-- resident when the compute-dtype weights fit the device (with 10% to spare): a
-  decode step reads every weight and the cache from device memory once
-  (`Hardware.memory_bytes_per_s`) or is bound by its matmuls, whichever is slower;
-  the rows are decoded in as few batches as the memory left for their KV cache
-  allows (each batch reads the weights again);
-- streamed otherwise: every decode step moves the weights over the host link once
-  for the whole batch of rows, with the KV cache on the device when it fits there,
-  else in host memory (then it crosses the link at every step too).
+- resident weights: a decode step reads every weight from device memory
+  (`Hardware.memory_bytes_per_s`);
+- streamed weights: a decode step moves every layer over the host link;
+- the cache on the device is read whole at each step (the attention scores every
+  slot of its capacity, masking the ones not yet written); a cache in host memory
+  also crosses the link both ways at each step.
 
-The prompt's prefill is a forward over R x prompt_len tokens. Dispatch overheads,
+A step takes the longest of its link time, its memory time and its matmuls. The
+prompt's prefill is a forward over R x prompt_len tokens. Dispatch overheads,
 sampling and rewards are left out: at these sizes they are small against the rest.
 """
 
@@ -29,6 +31,7 @@ import optax
 
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models.config import LlamaConfig
+from megatrain_jax.models.decode import placement
 from megatrain_jax.planner.hardware import Hardware
 from megatrain_jax.planner.plan import largest_batch, plan
 
@@ -39,8 +42,7 @@ class GrpoEstimate:
 
   Attributes:
     rows: completions per iteration.
-    generation: how it runs: resident (in how many batches) or streamed (and where
-      the KV cache is).
+    generation: where the weights and the KV cache are while it runs.
     generate_s: prefill and decoding.
     logprobs_s: the old policy's and the reference's forward passes.
     train_s: the policy steps.
@@ -86,8 +88,8 @@ def _forward_s(cfg: LlamaConfig, hw: Hardware, tokens: int, seq_len: int,
 
 def grpo_iteration(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec,
                    hw: Hardware, prompts: int, group_size: int, prompt_len: int,
-                   completion_len: int, policy_steps: int = 1, reference: bool = True
-                   ) -> GrpoEstimate:
+                   completion_len: int, policy_steps: int = 1, reference: bool = True,
+                   generate_rows: int | None = None) -> GrpoEstimate:
   """Predicts one GRPO iteration (see the module docstring).
 
   Args:
@@ -101,6 +103,8 @@ def grpo_iteration(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec
     completion_len: tokens per completion.
     policy_steps: optimizer steps per iteration.
     reference: score a reference model too (a KL penalty).
+    generate_rows: rows per `mt.generate` call (`GrpoConfig.generate_rows`; None:
+      all of them in one).
 
   Returns:
     The `GrpoEstimate`.
@@ -113,26 +117,20 @@ def grpo_iteration(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec
     raise ValueError(f"The hardware profile {hw.name!r} states no device memory "
                      "bandwidth, which bounds decoding: choose one that does (h200, ...).")
   rows, seq_len = prompts * group_size, prompt_len + completion_len
+  batch = min(generate_rows or rows, rows)
+  calls = math.ceil(rows / batch)
   flops = hw.flops_at(cfg.d_model)
-  itemsize = jnp.dtype(ec.compute_dtype).itemsize
-  weights = cfg.param_count() * itemsize
-  kv_row = seq_len * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * itemsize
-  room = 0.9 * hw.device_bytes - weights  # for the KV cache beside resident weights
-  resident = room > kv_row
-  # Rows decoded together: as many as the cache's room holds (resident), or all.
-  batch = min(rows, int(room // kv_row)) if resident else rows
-  host_cache = not resident and rows * kv_row > 0.9 * hw.device_bytes
-  decode = 0.0
-  for t in range(prompt_len, seq_len):  # each new token reads the cache so far
-    cache = batch * kv_row * t / seq_len
-    if resident:
-      link = (weights + cache) / hw.memory_bytes_per_s
-    else:
-      link = max(weights / hw.h2d_bytes_per_s + (cache / hw.h2d_bytes_per_s if host_cache
-                                                 else 0.0), cache / hw.memory_bytes_per_s)
-    decode += max(link, batch * model_flops_per_token(cfg, t) / 3 / flops)
-  decode *= math.ceil(rows / batch)
-  prefill = _forward_s(cfg, hw, rows * prompt_len, prompt_len, weights, not resident)
+  weights = cfg.param_count() * jnp.dtype(ec.compute_dtype).itemsize
+  cache = batch * seq_len * 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * \
+      jnp.dtype(ec.compute_dtype).itemsize
+  streamed, kv_cache = placement(cfg, ec.compute_dtype, batch, seq_len, hw.device_bytes)
+  h2d = (weights if streamed else 0.0) + (cache if kv_cache == "host" else 0.0)
+  d2h = cache if kv_cache == "host" else 0.0
+  memory = (0.0 if streamed else weights) + cache
+  link = max(h2d / hw.h2d_bytes_per_s, d2h / hw.d2h_bytes_per_s, memory / hw.memory_bytes_per_s)
+  decode = calls * sum(max(link, batch * model_flops_per_token(cfg, t) / 3 / flops)
+                       for t in range(prompt_len, seq_len))
+  prefill = _forward_s(cfg, hw, rows * prompt_len, prompt_len, weights, streamed)
   passes = 2 if reference else 1
   logprobs = passes * _forward_s(cfg, hw, rows * seq_len, seq_len, weights, True)
   micro = largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention)
@@ -141,7 +139,7 @@ def grpo_iteration(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec
   grad_accum = next(a for a in range(math.ceil(rows / micro), rows + 1) if rows % a == 0)
   step = plan(cfg, optimizer, dataclasses.replace(ec, grad_accum=grad_accum), hw, rows,
               seq_len)
-  how = (f"resident, {math.ceil(rows / batch)} batch(es) of up to {batch} rows" if resident
-         else f"streamed, KV cache in {'host memory' if host_cache else 'device memory'}")
+  how = (f"{calls} call(s) of {batch} rows; {'streamed' if streamed else 'resident'} "
+         f"weights, KV cache in {kv_cache} memory")
   return GrpoEstimate(rows, how, prefill + decode,
                       logprobs, policy_steps * step.step_s, grad_accum, step.bottleneck)
