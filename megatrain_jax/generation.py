@@ -27,20 +27,16 @@ import dataclasses
 import functools
 import numbers
 import time
-from typing import Any, Callable, Iterable, NamedTuple, Sequence
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from megatrain_jax.engine import StreamingTrainer
-from megatrain_jax.engine.platform import accelerator_bytes
-from megatrain_jax.models import decode, llama
+from megatrain_jax import generation_weights as weights
+from megatrain_jax.models import decode
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.resident import ResidentTrainer
-
-Params = dict[str, Any]
 KV_CACHES = ("auto", "device", "host")
 # Below this temperature softmax(logits / T) overflows in fp32: use 0 for greedy.
 MIN_TEMPERATURE = 1e-3
@@ -84,32 +80,6 @@ class Generation:
     for r, (t, lp) in enumerate(zip(self.tokens, self.logprobs)):
       tokens[r, :len(t)], logprobs[r, :len(t)], mask[r, :len(t)] = t, lp, 1.0
     return tokens, logprobs, mask
-
-
-class _Source(NamedTuple):
-  """Where the weights come from: the model, its compute dtype, its fp32 unit trees."""
-
-  cfg: LlamaConfig
-  compute_dtype: Any
-  units: Callable[[], Iterable[Params]]  # fp32 unit trees, one at a time
-  streams: bool  # streamed by default
-  budget: int | None  # device bytes generation may use (None: unknown)
-
-
-def _source(model_or_trainer) -> _Source:
-  obj = model_or_trainer
-  if isinstance(obj, StreamingTrainer):
-    return _Source(obj.cfg, obj.config.compute_dtype,
-                   lambda: (obj.unit_params(u) for u in range(obj.cfg.n_layers + 2)), True,
-                   obj.config.device_budget_bytes or accelerator_bytes())
-  if isinstance(obj, ResidentTrainer):
-    return _Source(obj.cfg, obj.compute_dtype, lambda: llama.split_units(obj.params()), False,
-                   accelerator_bytes())
-  if isinstance(obj, llama.Llama):
-    return _Source(obj.cfg, obj.compute_dtype, lambda: llama.split_units(obj.param_tree()),
-                   False, accelerator_bytes())
-  raise TypeError(f"generate needs an mt.Llama, a ResidentTrainer or a StreamingTrainer, "
-                  f"got {type(obj).__name__}.")
 
 
 def _check(cfg: LlamaConfig, prompts, max_new_tokens, temperature, top_p, key, eos_id,
@@ -165,97 +135,6 @@ def _check(cfg: LlamaConfig, prompts, max_new_tokens, temperature, top_p, key, e
 
 # -- the model calls -----------------------------------------------------------------
 
-@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(4,))
-def _resident_call(cfg, params, ids_BxS, positions_BxS, caches, lengths_B, index_B):
-  x, caches = decode.model_decode(cfg, params, ids_BxS, positions_BxS, caches, lengths_B,
-                                  params["embed"]["embedding"].dtype)
-  return decode.last_logits(cfg, params["head"], params["embed"], x, index_B), caches
-
-
-# One decoder block: compiled once per layer structure (its tree, window and shapes).
-_layer_call = jax.jit(decode.block_decode, static_argnums=(0, 6), donate_argnums=(4,))
-_head_call = jax.jit(decode.last_logits, static_argnums=(0,))
-
-
-def _nbytes(tree) -> int:
-  return sum(a.nbytes for a in jax.tree.leaves(tree))
-
-
-class _Resident:
-  """The compute-dtype weights and the caches on the device; one jitted call."""
-
-  def __init__(self, cfg, units, dtype, batch, capacity):
-    self.cfg = cfg
-    self.params = jax.tree.map(lambda a: jnp.asarray(a).astype(dtype),
-                               llama.assemble_units(list(units)))
-    self.h2d_bytes = _nbytes(self.params)
-    self.caches = [decode.empty_cache(cfg, batch, capacity, dtype)
-                   for _ in range(cfg.n_layers)]
-
-  def __call__(self, ids_BxS, positions_BxS, lengths_B, index_B):
-    logits, self.caches = _resident_call(self.cfg, self.params, ids_BxS, positions_BxS,
-                                         self.caches, lengths_B, index_B)
-    return logits
-
-
-class _Streamed:
-  """Host copies of the compute-dtype units (each cast as it is read: one fp32 unit at
-  a time); each call streams every layer once, or, with `keep_weights`, moves them
-  once and keeps them (resident weights beside a cache in host memory)."""
-
-  def __init__(self, cfg, units, dtype, batch, capacity, kv_cache, keep_weights=False):
-    self.cfg = cfg
-    self.units = [jax.tree.map(lambda a: np.asarray(a).astype(dtype), u) for u in units]
-    self.kept = {} if keep_weights else None
-    device = jax.local_devices()[0]
-    kinds = {m.kind for m in device.addressable_memories()}
-    sharding = jax.sharding.SingleDeviceSharding
-    self.on_device = sharding(device, memory_kind="device" if "device" in kinds else None)
-    self.on_host = None
-    if kv_cache == "host":
-      self.on_host = (sharding(device, memory_kind="pinned_host") if "pinned_host" in kinds
-                      else sharding(jax.local_devices(backend="cpu")[0]))
-    empty = lambda: jax.device_put(decode.empty_cache(cfg, batch, capacity, dtype),
-                                   self.on_host or self.on_device)
-    self.caches = [empty() for _ in range(cfg.n_layers)]
-    self.h2d_bytes = 0
-
-  def _put(self, tree):
-    self.h2d_bytes += _nbytes(tree)
-    return jax.device_put(tree, self.on_device)
-
-  def _unit(self, u: int):
-    """Unit u on the device (the head with a tied embedding, for u = L + 1)."""
-    if self.kept is not None and u in self.kept:
-      return self.kept[u]
-    tree = self.units[u] if u <= self.cfg.n_layers else {
-        "head": self.units[-1], "embed": self.units[0] if self.cfg.tie_embeddings else None}
-    out = self._put(tree)
-    if self.kept is not None:
-      self.kept[u] = out
-    return out
-
-  def __call__(self, ids_BxS, positions_BxS, lengths_B, index_B):
-    cfg, n = self.cfg, self.cfg.n_layers
-    # The embedding stays on the host: only the new tokens' rows move.
-    x = self._put(self.units[0]["embedding"][ids_BxS])
-    positions, lengths = jax.device_put((positions_BxS, lengths_B), self.on_device)
-    upcoming = self._unit(1)
-    for i in range(n):
-      p, upcoming = upcoming, self._unit(i + 2)
-      cache = self.caches[i]
-      if self.on_host is not None:
-        cache = jax.device_put(cache, self.on_device)
-      x, cache = _layer_call(cfg, p, x, positions, cache, lengths, cfg.layer_window(i))
-      del p  # the layer's weights leave the device once its step is done
-      self.caches[i] = cache if self.on_host is None else jax.device_put(cache, self.on_host)
-    head = upcoming
-    return _head_call(cfg, head["head"], head["embed"], x,
-                      jax.device_put(index_B, self.on_device))
-
-
-# -- sampling ------------------------------------------------------------------------
-
 @functools.partial(jax.jit, static_argnames=("greedy", "nucleus"))
 def _sample(logits_BxV, key, temperature, top_p, *, greedy: bool, nucleus: bool):
   logp_BxV = jax.nn.log_softmax(logits_BxV, axis=-1)
@@ -285,7 +164,8 @@ def generate(model_or_trainer, prompts: Sequence[Sequence[int]], max_new_tokens:
 
   Args:
     model_or_trainer: an `mt.Llama`, a `ResidentTrainer` (its `params()`) or a
-      `StreamingTrainer` (its host masters, read once per call).
+      `StreamingTrainer` (each unit fetched as its steps fetch it: no copy of the
+      model is made on the host).
     prompts: token-id lists, one per row, of any lengths (at least one token each).
     max_new_tokens: the most tokens a row gets.
     temperature: 0: greedy (argmax); > 0: sample from softmax(logits / temperature).
@@ -316,7 +196,7 @@ def generate(model_or_trainer, prompts: Sequence[Sequence[int]], max_new_tokens:
       an int, or an unknown kv_cache.
     TypeError: `model_or_trainer` is none of the three.
   """
-  src = _source(model_or_trainer)
+  src = weights.source(model_or_trainer)
   cfg = src.cfg
   rows = _check(cfg, prompts, max_new_tokens, temperature, top_p, key, eos_id, pad_id,
                 kv_cache)
@@ -330,9 +210,10 @@ def generate(model_or_trainer, prompts: Sequence[Sequence[int]], max_new_tokens:
   if kv_cache == "auto":
     kv_cache = fits[1] or "device"
   start = time.perf_counter()
-  runner = (_Resident(cfg, src.units(), dtype, b, capacity)
+  runner = (weights.ResidentRunner(cfg, weights.device_units(src, dtype), dtype, b, capacity)
             if not streamed and kv_cache == "device" else
-            _Streamed(cfg, src.units(), dtype, b, capacity, kv_cache, keep_weights=not streamed))
+            weights.StreamedRunner(cfg, src, dtype, b, capacity, kv_cache,
+                                   keep_weights=not streamed))
   logging.vlog(1, "generate: %d rows, prompts of %d-%d tokens, up to %d new, %s, %s, "
                "kv cache on the %s.", b, min(len(r) for r in rows), width, max_new_tokens,
                "streamed" if streamed else "resident", dtype.name, kv_cache)

@@ -307,3 +307,18 @@ def test_bad_input_is_refused_naming_it(sample_model, case):
 def test_only_models_and_trainers_generate():
   with pytest.raises(TypeError, match="mt.Llama, a ResidentTrainer or a StreamingTrainer"):
     mt.generate({"embed": {}}, [[1]], 2, temperature=0.0)
+
+
+def test_a_lora_trainer_generates_as_its_model_from_its_own_fetches():
+  """A StreamingTrainer's units come from its own fetch (base frozen in the compute
+  dtype, adapters trained): no host copy of the model, the same tokens."""
+  from flax import nnx  # pylint: disable=import-outside-toplevel
+  cfg = mt.LlamaConfig(**BASE, lora=LoraConfig(rank=2, alpha=4))
+  model = mt.Llama(cfg, params=_perturbed(cfg, seed=5))
+  prompts = [[1, 2, 3], [4]]
+  want = mt.generate(model, prompts, 6, temperature=0.0)
+  with mt.StreamingTrainer(model, optax.sgd(0.0), mt.EngineConfig(),
+                           trainable=nnx.LoRAParam) as tr:
+    for streamed in (True, False):
+      assert mt.generate(tr, prompts, 6, temperature=0.0, streamed=streamed).tokens == \
+          want.tokens
