@@ -71,8 +71,11 @@ def source(model_or_trainer) -> Source:
   """
   obj = model_or_trainer
   if isinstance(obj, StreamingTrainer):
-    return Source(obj.cfg, obj.config.compute_dtype, None, engine_fetch(obj), True,
-                   obj.config.device_budget_bytes or accelerator_bytes())
+    units = range(obj.cfg.n_layers + 2)  # a closed trainer's masters, read one at a time
+    host = (lambda: (obj.unit_params(u) for u in units)) if obj.closed else None
+    return Source(obj.cfg, obj.config.compute_dtype, host,
+                  None if obj.closed else engine_fetch(obj), True,
+                  obj.config.device_budget_bytes or accelerator_bytes())
   if isinstance(obj, ResidentTrainer):
     return Source(obj.cfg, obj.compute_dtype, lambda: llama.split_units(obj.params()), None,
                    False, accelerator_bytes())

@@ -322,3 +322,5 @@ def test_a_lora_trainer_generates_as_its_model_from_its_own_fetches():
     for streamed in (True, False):
       assert mt.generate(tr, prompts, 6, temperature=0.0, streamed=streamed).tokens == \
           want.tokens
+  assert tr.closed  # closed, it generates from its masters on the host
+  assert mt.generate(tr, prompts, 6, temperature=0.0).tokens == want.tokens

@@ -19,6 +19,9 @@ class TrainerState:
   frozen_checksums = property(lambda self: self._rt.frozen_checksums(), doc="Part name -> "
                               "a CRC-32 of its frozen values (`trainable=`; they never change).")
 
+  closed = property(lambda self: self._health.closed, doc="Whether `close()` was called "
+                    "(parameters and state stay readable; no step runs).")
+
   @property
   def step_count(self) -> int:
     """Steps taken (skipped ones included), restored from a checkpoint."""
