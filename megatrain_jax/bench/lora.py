@@ -50,10 +50,11 @@ def lora_ratios(s: Suite) -> dict[str, Any]:
   grown = (big["rss_peak_bytes"] - big["rss_baseline_bytes"]
            - rss["rss_peak_bytes"] + rss["rss_baseline_bytes"])
   return {
+      "lora_over_full_step": t["lora"] / t["full"],
+      "lora_step_time_s": t["lora"], "lora_full_step_time_s": t["full"],
+      "lora_d2h_bytes_per_step": d2h["lora"], "lora_full_d2h_bytes_per_step": d2h["full"],
+      "lora_rank": LORA_RANK,
+      "host_bytes_per_base_param_lora": rss["host_bytes_per_param"],
       "host_bytes_per_base_param_lora_marginal":
-          grown / (big["rss_param_count"] - rss["rss_param_count"]),"lora_over_full_step": t["lora"] / t["full"],
-          "lora_step_time_s": t["lora"], "lora_full_step_time_s": t["full"],
-          "lora_d2h_bytes_per_step": d2h["lora"], "lora_full_d2h_bytes_per_step": d2h["full"],
-          "lora_rank": LORA_RANK,
-          "host_bytes_per_base_param_lora": rss["host_bytes_per_param"],
-          "lora_rss_peak_bytes": rss["rss_peak_bytes"]}
+          grown / (big["rss_param_count"] - rss["rss_param_count"]),
+      "lora_rss_peak_bytes": rss["rss_peak_bytes"]}
