@@ -30,6 +30,7 @@ from megatrain_jax.engine.plan import program as P
 from megatrain_jax.engine.plan.memory import StepPlan
 from megatrain_jax.engine.runtime import Runtime
 from megatrain_jax.models import lora, moe
+from megatrain_jax.models.policy import POLICY_KEYS
 
 OpHook = Callable[[ops.Op], None]
 
@@ -148,8 +149,7 @@ class Executor:
     if key is not None and lc is not None and lc.dropout:  # masks by global batch row
       rows = np.arange(row0, row0 + micro["input_ids"].shape[0])
       extra["dropout_keys"] = to(np.asarray(lora.sequence_keys(key, rows)))
-    policy = self.tpl.policy
-    keys = ("input_ids", "labels", "loss_mask", *(policy.keys if policy else ()))
+    keys = ("input_ids", "labels", "loss_mask", *(POLICY_KEYS if self.tpl.policy else ()))
     return Micro({k: to(micro[k]) for k in keys if k in micro}, extra)
 
   def _apply(self, op: ops.Op, *arrays) -> None:
@@ -252,9 +252,7 @@ class Executor:
 
   def _rows(self) -> dict[str, Any]:
     """The policy loss's per-token inputs of this micro-batch ({} for cross-entropy)."""
-    policy = self.tpl.policy
-    return {k: self.micro.batch[k] for k in (policy.keys if policy else ())
-            if k in self.micro.batch}
+    return {k: v for k, v in self.micro.batch.items() if k in POLICY_KEYS}
 
   def _HeadLoss(self, op: ops.HeadLoss) -> None:
     mb, tpl = self.micro, self.tpl

@@ -224,9 +224,9 @@ class StreamingTrainer(TrainerState):
       As `evaluate`.
     """
     batch, total, _, plan = self._prepare(batch, need_policy_keys=False, trains=False)
-    if not adapters and self.cfg.lora is not None and self._base is None:
-      self._base = Executor(self._rt, self.templates.without_adapters())
     base = not adapters and self.cfg.lora is not None
+    if base and self._base is None:
+      self._base = Executor(self._rt, self.templates.without_adapters())
     return self._forward(batch, total, plan, True, self._base if base else None).logprobs
 
   def _forward(self, batch, total, plan, logprobs: bool, executor=None) -> Outcome:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from megatrain_jax.models import llama, moe
 from megatrain_jax.models import lora as lora_lib
 from megatrain_jax.models.config import LlamaConfig
-from megatrain_jax.models.policy import PolicyLoss
+from megatrain_jax.models.policy import POLICY_KEYS, PolicyLoss
 
 # Budget for one chunk of fp32 logits.
 DEFAULT_LOGITS_CHUNK_BYTES = 256 * 2**20
@@ -96,7 +96,7 @@ def policy_loss_sum(h_NxD, w_DxV, labels_N, mask_N, weight_N, rows: dict[str, ja
     labels_N: the sampled tokens.
     mask_N: 1 on the tokens the metrics average over.
     weight_N: each token's weight in the loss (`PolicyLoss.weights`).
-    rows: the loss's per-token inputs (`PolicyLoss.keys`), each [N].
+    rows: the loss's per-token inputs (`policy.POLICY_KEYS`), each [N].
     chunk_tokens: rows per chunk.
     policy: the loss.
 
@@ -164,7 +164,7 @@ def head_loss_sum(cfg: LlamaConfig, head_p, embed_p, x_BxTxD, labels_BxT,
     loss_mask_BxT: the loss weights.
     chunk_tokens: tokens per loss chunk; None uses `default_chunk_tokens`.
     policy: a policy-gradient loss, or None for masked cross-entropy.
-    rows: the policy loss's inputs (`PolicyLoss.keys` present in the batch), [B, T].
+    rows: the policy loss's inputs (`policy.POLICY_KEYS` present in the batch), [B, T].
 
   Returns:
     (the loss sum, {metric name: its masked sum}; {} for cross-entropy).
@@ -245,7 +245,7 @@ def model_loss_and_metrics(cfg: LlamaConfig, params, batch, compute_dtype=jnp.fl
   """
   x, stats = _trunk(cfg, params, batch, compute_dtype, remat, dropout_keys)
   mask = batch["loss_mask"]
-  rows = None if policy is None else {k: batch[k] for k in policy.keys if k in batch}
+  rows = None if policy is None else {k: batch[k] for k in POLICY_KEYS if k in batch}
   total, sums = head_loss_sum(cfg, params["head"], params["embed"], x, batch["labels"],
                               mask, chunk_tokens, policy, rows)
   norm = jnp.sum(mask) if policy is None else policy.normalizer(mask)

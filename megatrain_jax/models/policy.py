@@ -67,11 +67,6 @@ class PolicyLoss:
     if self.max_tokens is not None and self.max_tokens < 1:
       raise ValueError(f"PolicyLoss max_tokens={self.max_tokens} must be >= 1 (or None).")
 
-  @property
-  def keys(self) -> tuple[str, ...]:
-    """The batch keys the loss reads (those present) beside the labels and mask."""
-    return POLICY_KEYS
-
   def check(self, batch: Mapping[str, Any]) -> None:
     """Checks that a batch carries what the loss reads.
 

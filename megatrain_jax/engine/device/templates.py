@@ -22,7 +22,7 @@ from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.models import llama
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.lora import layer_keys, strip_adapters
-from megatrain_jax.models.policy import PolicyLoss
+from megatrain_jax.models.policy import POLICY_KEYS, PolicyLoss
 
 
 # The largest of byte counts, leaving out the unknown ones (None if none is known).
@@ -341,7 +341,7 @@ class Templates:
                                      "temp_size_in_bytes", None)
     flat_e, f32 = S((embed.size,), dtype), S((b, t), jnp.float32)
     tied_e = flat_e if self.cfg.tie_embeddings else None
-    rows = {k: f32 for k in (self.policy.keys if self.policy else ())}
+    rows = {k: f32 for k in (POLICY_KEYS if self.policy else ())}
     loss_args = (tied_e, x, ids, f32, S((), jnp.float32), rows)
     out = {"embed_fwd": temp(self.embed_fwd, flat_e, ids),
            "embed_bwd": temp(self.embed_bwd, ids, x, tied_e),
