@@ -27,7 +27,7 @@ import mmap
 import os
 import struct
 import zlib
-from typing import Iterable, NamedTuple, Sequence
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -119,19 +119,6 @@ class FileLayout(NamedTuple):
     """The file's size: the header page and the data."""
     return PAGE + self.data_bytes
 
-  def views(self, data: np.ndarray) -> list[np.ndarray]:
-    """The arrays, as views of a buffer holding the data.
-
-    Args:
-      data: the data bytes (uint8).
-
-    Returns:
-      One array per leaf, sharing `data`'s memory.
-    """
-    return [np.frombuffer(data, leaf.dtype, int(np.prod(leaf.shape, dtype=np.int64)),
-                          leaf.offset).reshape(leaf.shape)
-            for leaf in self.leaves if leaf.offset + leaf.nbytes <= data.size]
-
 
 class UnitFile:
   """One unit's state file: written whole, read whole, checked on every read."""
@@ -216,17 +203,21 @@ class UnitFile:
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-  def read(self, generation: int, head: int | None = None,
-           buffer: np.ndarray | None = None) -> list[np.ndarray]:
-    """Reads the unit's arrays and checks them against the header.
+  def read(self, generation: int, sink: Callable[[int, int, np.ndarray], None],
+           bounce: np.ndarray, head: int | None = None) -> None:
+    """Reads the unit's arrays a bounce buffer at a time, handing each piece to `sink`,
+    and checks them against the header.
+
+    No buffer of the unit's size is made: `sink` copies each piece where it belongs
+    before the next one is read. Whatever it filled is only valid once this returns:
+    the CRC is checked after the last piece.
 
     Args:
       generation: the write the caller expects to find.
+      sink: `sink(leaf, start, values)`: `values` (a view of `bounce`, in the leaf's
+        dtype, flat) are the leaf's elements from `start` on.
+      bounce: a page-aligned buffer of whole pages the data passes through.
       head: read only the first leaves, as many as the write's `head` (None: all).
-      buffer: a page-aligned buffer to read into (None, or too small: a fresh one).
-
-    Returns:
-      The arrays, views of that buffer.
 
     Raises:
       DiskStateError: the file is short, of another run or unit, from another
@@ -249,16 +240,23 @@ class UnitFile:
     if gen != generation:
       self._bad(f"it holds write {gen} of this unit's state, not write {generation} "
                 "(a write was lost)")
-    size = self.layout.data_bytes if head is None else head_bytes
-    data = buffer if buffer is not None and buffer.size >= size else aligned_buffer(size)
-    for at in range(0, size, CHUNK):
-      self._pread(data[at:min(at + CHUNK, size)], PAGE + at)
-    if zlib.crc32(data[:size]) != (crc if head is None else head_crc):
+    leaves = self.layout.leaves if head is None else self.layout.leaves[:head]
+    got = 0
+    for i, leaf in enumerate(leaves):  # leaf after leaf, each from a page boundary
+      dtype = np.dtype(leaf.dtype)
+      pos, end = 0, round_up(leaf.nbytes)
+      while pos < end:
+        view = bounce[:min(bounce.size, end - pos)]
+        self._pread(view, PAGE + leaf.offset + pos)
+        got = zlib.crc32(view, got)
+        real = min(view.size, leaf.nbytes - pos)
+        if real > 0:
+          sink(i, pos // dtype.itemsize, view[:real].view(dtype))
+        pos += view.size
+    if got != (crc if head is None else head_crc):
       self._bad("its data does not match its checksum (modified or corrupted)")
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    views = self.layout.views(data)
-    return views if head is None else views[:head]
 
   def _bad(self, why: str):
     raise DiskStateError(errno.EIO, f"The state file {self.path} of unit {self.unit} cannot "

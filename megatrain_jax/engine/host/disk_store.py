@@ -19,12 +19,11 @@ import weakref
 from typing import Any, Iterable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, UnitFile
-from megatrain_jax.engine.host.disk_support import Buffers, Busy, check_space, lock_dir, \
-    remove_files, state_dirs
+from megatrain_jax.engine.host.disk_support import Buffers, Busy, Fill, check_space, \
+    lock_dir, remove_files, state_dirs
 from megatrain_jax.engine.host.flat import FlatSpec, split_master
 from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
@@ -119,12 +118,7 @@ class DiskStore(HostStore):
     t = self._templates[u]
     k = len(t.master)
     leaves, treedef = jax.tree.flatten(t.opt)
-    # Copies the update owns (and so updates in place, donated), done before the read
-    # buffer is reused: on the I/O thread, not the update's.
-    put = lambda a: jnp.array(a, copy=True, device=self.sharding)
-    st = UnitState(tuple(put(a) for a in arrays[:k]),
-                   treedef.unflatten([put(a) for a in arrays[k:k + len(leaves)]]))
-    return jax.block_until_ready(st)
+    return UnitState(tuple(arrays[:k]), treedef.unflatten(list(arrays[k:k + len(leaves)])))
 
   # -- I/O -----------------------------------------------------------------------
 
@@ -144,13 +138,21 @@ class DiskStore(HostStore):
                          "closes: read params() or save a checkpoint before close().")
     return self._files[u]
 
+  def _read_leaves(self, u: int, gen: int | None = None, head: int | None = None
+                   ) -> list[jax.Array]:
+    """A unit's leaves (the first `head` of them, or all), read into arrays the update
+    owns, through one bounce buffer: no unit-sized buffer is made or kept."""
+    leaves = self._leaves(self._templates[u])[:head]
+    fill = Fill(leaves, self.sharding, CHUNK)
+    with self._buffers(CHUNK) as bounce, self.busy["read"](), self.busy["any"]():
+      self._file(u).read(self._gen[u] if gen is None else gen, fill, bounce, head=head)
+    with self._cv:
+      self.read_bytes += (self.layouts[u].file_bytes if head is None
+                          else sum(leaf.nbytes for leaf in self.layouts[u].leaves[:head]))
+    return fill.arrays()
+
   def _read(self, u: int, gen: int | None = None) -> UnitState:
-    with self._buffers(self.layouts[u].data_bytes) as buf:
-      with self.busy["read"](), self.busy["any"]():
-        arrays = self._file(u).read(self._gen[u] if gen is None else gen, buffer=buf)
-      with self._cv:
-        self.read_bytes += self.layouts[u].file_bytes
-      return self._from_leaves(u, arrays)  # copies: the buffer is free after
+    return self._from_leaves(u, self._read_leaves(u, gen))
 
   def _read_ahead(self, units) -> None:
     """Starts reading these units' states, unless in RAM, on their way, or being written
@@ -298,12 +300,7 @@ class DiskStore(HostStore):
       return self._get(u).master
     if write is not None:
       write.result()
-    k = len(self._templates[u].master)
-    with self.busy["read"](), self.busy["any"]():
-      views = self._file(u).read(self._gen[u], head=k)
-    with self._cv:
-      self.read_bytes += sum(v.nbytes for v in views)
-    return tuple(jnp.array(v, copy=True, device=self.sharding) for v in views)
+    return tuple(self._read_leaves(u, head=len(self._templates[u].master)))
 
   # -- reads and writes outside the update path (checkpoints, params) -------------
 

@@ -1,5 +1,5 @@
-"""The disk tier's directories (their checks and locks), its reused buffers, and the
-time its disk is busy (`host.disk` has the files themselves)."""
+"""The disk tier's directories (their checks and locks), its reused buffers, the arrays
+a read fills, and the time its disk is busy (`host.disk` has the files themselves)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import os
 import shutil
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -73,6 +75,61 @@ class Buffers:
     finally:
       with self._lock:
         pool.append(buf)
+
+
+# Writes a piece into an array in place (the array is donated).
+_put_piece = jax.jit(lambda dest, piece, at: jax.lax.dynamic_update_slice(dest, piece, (at,)),
+                     donate_argnums=0)
+
+
+class Fill:
+  """The arrays a `UnitFile.read` fills a piece at a time: XLA's own, on the host
+  device (so the update may donate them and run in place), made without a second
+  copy of the unit in RAM. A leaf no larger than a piece is gathered in NumPy and
+  copied once; a larger one is made by XLA and each piece written into it in place.
+  """
+
+  def __init__(self, leaves: Sequence[Any], sharding, piece_bytes: int):
+    """Makes the arrays, empty.
+
+    Args:
+      leaves: the shapes and dtypes to fill (`jax.ShapeDtypeStruct`s).
+      sharding: where the arrays live.
+      piece_bytes: the largest piece a read hands over (its bounce buffer's size).
+    """
+    self.shapes, self.sharding, self._arrays = [tuple(x.shape) for x in leaves], sharding, []
+    for x in leaves:
+      n, dtype = int(np.prod(x.shape, dtype=np.int64)), np.dtype(x.dtype)
+      self._arrays.append(np.empty(n, dtype) if n * dtype.itemsize <= piece_bytes
+                          else jnp.zeros((n,), dtype, device=sharding))
+
+  def __call__(self, leaf: int, start: int, values: np.ndarray) -> None:
+    """Puts `values` at elements [start, start + values.size) of a leaf, and returns
+    once they are copied (they are a view of the buffer the next piece is read into).
+
+    Args:
+      leaf: the leaf's index.
+      start: its first element written.
+      values: flat, in the leaf's dtype.
+    """
+    a = self._arrays[leaf]
+    if isinstance(a, np.ndarray):
+      a[start:start + values.size] = values
+    else:
+      self._arrays[leaf] = jax.block_until_ready(_put_piece(a, values, start))
+
+  def arrays(self) -> list[jax.Array]:
+    """The filled arrays, in their shapes (only valid once the read returned).
+
+    Returns:
+      One per leaf.
+    """
+    out = []
+    for a, shape in zip(self._arrays, self.shapes):
+      if isinstance(a, np.ndarray):
+        a = jnp.array(a, copy=True, device=self.sharding)
+      out.append(a if a.shape == shape else a.reshape(shape))
+    return jax.block_until_ready(out)
 
 
 def state_dirs(state_dir: str | Sequence[str]) -> list[str]:
