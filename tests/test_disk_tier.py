@@ -6,6 +6,7 @@ read-only, full or shared directory; a file truncated, changed or from another r
 must be one clear error naming the path, never a silently wrong update.
 """
 
+import concurrent.futures
 import errno
 import os
 import subprocess
@@ -209,30 +210,35 @@ def test_a_damaged_state_file_stops_training_naming_it(tmp_path, how, why):
 
 
 def test_a_read_fills_the_updates_arrays_a_piece_at_a_time(tmp_path):
-  # Read through a one-page bounce buffer, a leaf of several pages is written into an
-  # array XLA made, piece by piece, and a small one gathered then copied: both XLA's
-  # own (an update may donate them), equal to what was written, and the CRC is still
-  # checked over every piece (one changed byte in the last piece of the large leaf).
+  # Read through one-page bounce buffers (one, or two in turn with the copies on a
+  # helper thread), a leaf of several pages is written into an array XLA made, piece
+  # by piece, and a small one gathered then copied: both XLA's own (an update may
+  # donate them), equal to what was written, and the CRC is still checked over every
+  # piece (one changed byte in the last piece of the large leaf).
   rng = np.random.default_rng(0)
   arrays = [rng.random(3000, np.float32), np.int32(7), rng.random(5, np.float32)]
   layout = disk.FileLayout.of((np.shape(a), np.asarray(a).dtype) for a in arrays)
   f = disk.UnitFile(str(tmp_path / "u"), 0, b"t" * 16, layout)
   bounce = disk.aligned_buffer(disk.PAGE)
-  f.write([np.asarray(a) for a in arrays], 1, bounce)
   host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
   leaves = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in arrays]
-  pieces = []
-  fill = disk_support.Fill(leaves, host, disk.PAGE)
-  f.read(1, lambda *a: (pieces.append(a[:2]), fill(*a)), bounce)
-  got = fill.arrays()
-  assert pieces == [(0, 0), (0, 1024), (0, 2048), (1, 0), (2, 0)]
-  assert all(isinstance(g, jax.Array) and g.shape == np.shape(a) and np.array_equal(g, a)
-             for g, a in zip(got, arrays))
-  with open(tmp_path / "u", "r+b") as raw:
-    raw.seek(disk.PAGE + 2 * disk.PAGE + 100)
-    raw.write(b"\x01")
-  with pytest.raises(disk.DiskStateError, match="does not match its checksum"):
-    f.read(1, disk_support.Fill(leaves, host, disk.PAGE), bounce)
+  two = (bounce, disk.aligned_buffer(disk.PAGE))
+  with concurrent.futures.ThreadPoolExecutor(1) as copier:
+    # Written a page at a time, each page beside the next one's copy.
+    f.write([np.asarray(a) for a in arrays], 1, two, helper=copier)
+    for bounces, pool in ((bounce,), None), (two, None), (two, copier):
+      pieces = []
+      fill = disk_support.Fill(leaves, host, disk.PAGE)
+      f.read(1, lambda *a: (pieces.append(a[:2]), fill(*a)), bounces, helper=pool)
+      got = fill.arrays()
+      assert pieces == [(0, 0), (0, 1024), (0, 2048), (1, 0), (2, 0)]
+      assert all(isinstance(g, jax.Array) and g.shape == np.shape(a) and np.array_equal(g, a)
+                 for g, a in zip(got, arrays))
+    with open(tmp_path / "u", "r+b") as raw:
+      raw.seek(disk.PAGE + 2 * disk.PAGE + 100)
+      raw.write(b"\x01")
+    with pytest.raises(disk.DiskStateError, match="does not match its checksum"):
+      f.read(1, disk_support.Fill(leaves, host, disk.PAGE), two, helper=copier)
   f.close()
 
 

@@ -45,17 +45,18 @@ def disk_seconds(layouts: list[FileLayout], state_dir: str, threads: int,
            for leaf in lay.leaves] for lay in layouts]
   buffers = Buffers()
 
-  def write(u, r):
-    with buffers(CHUNK) as bounce:
-      files[u].write(data[u], r + 1, bounce)
+  def write(u, r):  # as the tier writes: each piece written beside the next one's copy
+    with buffers(CHUNK) as one, buffers(CHUNK) as two:
+      files[u].write(data[u], r + 1, (one, two), helper=helper)
 
-  def read(u, r):  # the disk's rate: each piece checked, then dropped
-    with buffers(CHUNK) as bounce:
-      files[u].read(r + 1, lambda *_: None, bounce)
+  def read(u, r):  # as the tier reads: each piece checked beside the next read, dropped
+    with buffers(CHUNK) as one, buffers(CHUNK) as two:
+      files[u].read(r + 1, lambda *_: None, (one, two), helper=helper)
 
   times: dict[str, list[float]] = {"write": [], "read": []}
   try:
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
+         concurrent.futures.ThreadPoolExecutor(threads) as helper:
       for r in range(reps):
         t0 = time.perf_counter()
         list(pool.map(lambda u, r=r: write(u, r), range(len(files))))

@@ -13,6 +13,7 @@ tier", says what this costs and guarantees.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import os
 import threading
 import weakref
@@ -74,6 +75,9 @@ class DiskStore(HostStore):
     self._uncopied: set[int] = set()  # put, their streaming copy not yet cast from RAM
     self._buffers = Buffers()
     self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk")
+    # A read's pieces are checked and copied here while its next piece is read; a
+    # write's pieces are written here while its next one is copied and checked.
+    self._helper = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk-overlap")
     self._order = list(range(n - 1, -1, -1))  # updates come head first
     self._seen: list[int] = []
     self._n_trained = sum(1 for t in self.trained if t.size)
@@ -93,6 +97,7 @@ class DiskStore(HostStore):
         kept.append(parts[0] if whole else None)
     except BaseException:
       self._pool.shutdown(wait=True)
+      self._helper.shutdown(wait=True)
       self._finalizer()  # no files or locks left behind
       raise
     # A whole-tree transform's state is the tree's, made from every master at once.
@@ -129,8 +134,9 @@ class DiskStore(HostStore):
 
   def _write(self, u: int, st: UnitState, gen: int) -> None:
     arrays = [np.asarray(x) for x in self._leaves(st)]
-    with self._buffers(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
-      self._files[u].write(arrays, gen, bounce, head=len(st.master))
+    with self._buffers(CHUNK) as one, self._buffers(CHUNK) as two:
+      self._files[u].write(arrays, gen, (one, two), head=len(st.master),
+                           writing=self._writing, helper=self._helper)
 
   def _file(self, u: int) -> UnitFile:
     if not self._finalizer.alive:
@@ -144,12 +150,23 @@ class DiskStore(HostStore):
     owns, through one bounce buffer: no unit-sized buffer is made or kept."""
     leaves = self._leaves(self._templates[u])[:head]
     fill = Fill(leaves, self.sharding, CHUNK)
-    with self._buffers(CHUNK) as bounce, self.busy["read"](), self.busy["any"]():
-      self._file(u).read(self._gen[u] if gen is None else gen, fill, bounce, head=head)
+    with self._buffers(CHUNK) as one, self._buffers(CHUNK) as two:
+      self._file(u).read(self._gen[u] if gen is None else gen, fill, (one, two), head=head,
+                         reading=self._reading, helper=self._helper)
     with self._cv:
       self.read_bytes += (self.layouts[u].file_bytes if head is None
                           else sum(leaf.nbytes for leaf in self.layouts[u].leaves[:head]))
     return fill.arrays()
+
+  @contextlib.contextmanager
+  def _reading(self):
+    with self.busy["read"](), self.busy["any"]():
+      yield
+
+  @contextlib.contextmanager
+  def _writing(self):
+    with self.busy["write"](), self.busy["any"]():
+      yield
 
   def _read(self, u: int, gen: int | None = None) -> UnitState:
     return self._from_leaves(u, self._read_leaves(u, gen))
@@ -378,6 +395,7 @@ class DiskStore(HostStore):
       self.flush()
     finally:
       self._pool.shutdown(wait=True)
+      self._helper.shutdown(wait=True)
       with self._cv:
         self._reads.clear()
         self._ready.clear()

@@ -4,6 +4,7 @@ a read fills, and the time its disk is busy (`host.disk` has the files themselve
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import fcntl
 import glob
 import os
@@ -77,16 +78,13 @@ class Buffers:
         pool.append(buf)
 
 
-# Writes a piece into an array in place (the array is donated).
-_put_piece = jax.jit(lambda dest, piece, at: jax.lax.dynamic_update_slice(dest, piece, (at,)),
-                     donate_argnums=0)
-
-
 class Fill:
   """The arrays a `UnitFile.read` fills a piece at a time: XLA's own, on the host
   device (so the update may donate them and run in place), made without a second
   copy of the unit in RAM. A leaf no larger than a piece is gathered in NumPy and
-  copied once; a larger one is made by XLA and each piece written into it in place.
+  copied once; a larger one is made by XLA (zeros, done before any piece lands) and
+  each piece is copied straight into its buffer, through a NumPy view of it: an XLA
+  op per piece would queue behind the compute on the same client.
   """
 
   def __init__(self, leaves: Sequence[Any], sharding, piece_bytes: int):
@@ -94,41 +92,46 @@ class Fill:
 
     Args:
       leaves: the shapes and dtypes to fill (`jax.ShapeDtypeStruct`s).
-      sharding: where the arrays live.
+      sharding: where the arrays live: one CPU device (whose buffers are host
+        memory that stays where it is).
       piece_bytes: the largest piece a read hands over (its bounce buffer's size).
     """
-    self.shapes, self.sharding, self._arrays = [tuple(x.shape) for x in leaves], sharding, []
+    self.shapes, self.sharding = [tuple(x.shape) for x in leaves], sharding
+    self._arrays, self._views = [], []
     for x in leaves:
       n, dtype = int(np.prod(x.shape, dtype=np.int64)), np.dtype(x.dtype)
-      self._arrays.append(np.empty(n, dtype) if n * dtype.itemsize <= piece_bytes
-                          else jnp.zeros((n,), dtype, device=sharding))
+      if n * dtype.itemsize <= piece_bytes:
+        self._arrays.append(None)
+        self._views.append(np.empty(n, dtype))
+      else:
+        a = jax.block_until_ready(jnp.zeros((n,), dtype, device=sharding))
+        raw = (ctypes.c_char * (n * dtype.itemsize)).from_address(a.unsafe_buffer_pointer())
+        self._arrays.append(a)
+        self._views.append(np.frombuffer(raw, dtype))
 
   def __call__(self, leaf: int, start: int, values: np.ndarray) -> None:
-    """Puts `values` at elements [start, start + values.size) of a leaf, and returns
-    once they are copied (they are a view of the buffer the next piece is read into).
+    """Puts `values` at elements [start, start + values.size) of a leaf.
 
     Args:
       leaf: the leaf's index.
       start: its first element written.
       values: flat, in the leaf's dtype.
     """
-    a = self._arrays[leaf]
-    if isinstance(a, np.ndarray):
-      a[start:start + values.size] = values
-    else:
-      self._arrays[leaf] = jax.block_until_ready(_put_piece(a, values, start))
+    self._views[leaf][start:start + values.size] = values
 
   def arrays(self) -> list[jax.Array]:
-    """The filled arrays, in their shapes (only valid once the read returned).
+    """The filled arrays, in their shapes (only valid once the read returned; the
+    views into them are dropped).
 
     Returns:
       One per leaf.
     """
     out = []
-    for a, shape in zip(self._arrays, self.shapes):
-      if isinstance(a, np.ndarray):
-        a = jnp.array(a, copy=True, device=self.sharding)
+    for a, v, shape in zip(self._arrays, self._views, self.shapes):
+      if a is None:
+        a = jnp.array(v, copy=True, device=self.sharding)
       out.append(a if a.shape == shape else a.reshape(shape))
+    self._views = []
     return jax.block_until_ready(out)
 
 
