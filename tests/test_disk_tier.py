@@ -6,7 +6,6 @@ read-only, full or shared directory; a file truncated, changed or from another r
 must be one clear error naming the path, never a silently wrong update.
 """
 
-import concurrent.futures
 import errno
 import os
 import subprocess
@@ -207,55 +206,6 @@ def test_a_damaged_state_file_stops_training_naming_it(tmp_path, how, why):
     except disk.DiskStateError:
       pass
   assert start is not None
-
-
-def test_a_read_fills_the_updates_arrays_a_piece_at_a_time(tmp_path):
-  # Read through one-page bounce buffers (one, or two in turn with the copies on a
-  # helper thread), a leaf of several pages is written into an array XLA made, piece
-  # by piece, and a small one gathered then copied: both XLA's own (an update may
-  # donate them), equal to what was written, and the CRC is still checked over every
-  # piece (one changed byte in the last piece of the large leaf).
-  rng = np.random.default_rng(0)
-  arrays = [rng.random(3000, np.float32), np.int32(7), rng.random(5, np.float32)]
-  layout = disk.FileLayout.of((np.shape(a), np.asarray(a).dtype) for a in arrays)
-  f = disk.UnitFile(str(tmp_path / "u"), 0, b"t" * 16, layout)
-  bounce = disk.aligned_buffer(disk.PAGE)
-  host = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
-  leaves = [jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype) for a in arrays]
-  two = (bounce, disk.aligned_buffer(disk.PAGE))
-  with concurrent.futures.ThreadPoolExecutor(1) as copier:
-    # Written a page at a time, each page beside the next one's copy.
-    f.write([np.asarray(a) for a in arrays], 1, two, helper=copier)
-    for bounces, pool in ((bounce,), None), (two, None), (two, copier):
-      pieces = []
-      fill = disk_support.Fill(leaves, host, disk.PAGE)
-      f.read(1, lambda *a: (pieces.append(a[:2]), fill(*a)), bounces, helper=pool)
-      got = fill.arrays()
-      assert pieces == [(0, 0), (0, 1024), (0, 2048), (1, 0), (2, 0)]
-      assert all(isinstance(g, jax.Array) and g.shape == np.shape(a) and np.array_equal(g, a)
-                 for g, a in zip(got, arrays))
-    with open(tmp_path / "u", "r+b") as raw:
-      raw.seek(disk.PAGE + 2 * disk.PAGE + 100)
-      raw.write(b"\x01")
-    with pytest.raises(disk.DiskStateError, match="does not match its checksum"):
-      f.read(1, disk_support.Fill(leaves, host, disk.PAGE), two, helper=copier)
-  f.close()
-
-
-def test_no_buffer_of_a_units_size_is_made_for_reads(tmp_path, monkeypatch):
-  # Reads pass through one bounce buffer each into the update's arrays, so RAM never
-  # holds a unit's state twice, nor keeps a read buffer per unit size.
-  made = []
-  real = disk.aligned_buffer
-  monkeypatch.setattr(disk_support, "aligned_buffer", lambda n: made.append(n) or real(n))
-  monkeypatch.setattr(disk, "aligned_buffer", lambda n: made.append(n) or real(n))
-  losses, got, st = _run(_disk(tmp_path, state_in_flight=1), OPTIMIZERS["fused_adamw"],
-                         BATCHES[:3])
-  want_losses, want, _ = _run(mt.EngineConfig(stream_copy="keep"),
-                              OPTIMIZERS["fused_adamw"], BATCHES[:3])
-  assert losses == want_losses and _same(got, want)
-  assert st["disk"]["read_bytes"] > 0 and made
-  assert set(made) <= {disk.PAGE, disk.CHUNK}
 
 
 def test_a_real_full_disk_is_one_clear_error(tmp_path, monkeypatch):

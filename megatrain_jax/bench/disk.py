@@ -45,23 +45,18 @@ def disk_seconds(layouts: list[FileLayout], state_dir: str, threads: int,
            for leaf in lay.leaves] for lay in layouts]
   buffers = Buffers()
 
-  def write(u, r):  # as the tier writes: each piece written beside the next one's copy
-    with buffers(CHUNK) as one, buffers(CHUNK) as two:
-      files[u].write(data[u], r + 1, (one, two), helper=helper)
-
-  def read(u, r):  # as the tier reads: each piece checked beside the next read, dropped
-    with buffers(CHUNK) as one, buffers(CHUNK) as two:
-      files[u].read(r + 1, lambda *_: None, (one, two), helper=helper)
+  def write(u, r):
+    with buffers(CHUNK) as bounce:
+      files[u].write(data[u], r + 1, bounce)
 
   times: dict[str, list[float]] = {"write": [], "read": []}
   try:
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool, \
-         concurrent.futures.ThreadPoolExecutor(threads) as helper:
+    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
       for r in range(reps):
         t0 = time.perf_counter()
         list(pool.map(lambda u, r=r: write(u, r), range(len(files))))
         t1 = time.perf_counter()
-        list(pool.map(lambda u, r=r: read(u, r), range(len(files))))
+        list(pool.map(lambda u: files[u].read(r + 1), range(len(files))))
         times["write"].append(t1 - t0)
         times["read"].append(time.perf_counter() - t1)
   finally:

@@ -22,14 +22,12 @@ are dropped after use (`posix_fadvise`).
 
 from __future__ import annotations
 
-import concurrent.futures
-import contextlib
 import errno
 import mmap
 import os
 import struct
 import zlib
-from typing import Callable, ContextManager, Iterable, NamedTuple, Sequence
+from typing import Iterable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -121,6 +119,19 @@ class FileLayout(NamedTuple):
     """The file's size: the header page and the data."""
     return PAGE + self.data_bytes
 
+  def views(self, data: np.ndarray) -> list[np.ndarray]:
+    """The arrays, as views of a buffer holding the data.
+
+    Args:
+      data: the data bytes (uint8).
+
+    Returns:
+      One array per leaf, sharing `data`'s memory.
+    """
+    return [np.frombuffer(data, leaf.dtype, int(np.prod(leaf.shape, dtype=np.int64)),
+                          leaf.offset).reshape(leaf.shape)
+            for leaf in self.leaves if leaf.offset + leaf.nbytes <= data.size]
+
 
 class UnitFile:
   """One unit's state file: written whole, read whole, checked on every read."""
@@ -152,114 +163,70 @@ class UnitFile:
       raise DiskStateError(e.errno, f"Cannot create the state file {path}: {e.strerror}. "
                            "state_dir must be a writable directory.") from e
 
-  def write(self, arrays: Sequence[np.ndarray], generation: int,
-            bounces: Sequence[np.ndarray], head: int = 0,
-            writing: Callable[[], ContextManager] = contextlib.nullcontext,
-            helper: concurrent.futures.Executor | None = None) -> None:
+  def write(self, arrays: Sequence[np.ndarray], generation: int, bounce: np.ndarray,
+            head: int = 0) -> None:
     """Writes the unit's arrays, then the header that makes them valid.
-
-    With two bounce buffers and a `helper`, a piece is written there while the next
-    one is copied into the other buffer and checked, so the disk does not wait for
-    the copies.
 
     Args:
       arrays: one per leaf of the layout (any alignment; C-contiguous).
       generation: this write's number (a read expects it).
-      bounces: page-aligned buffers of whole pages the data passes through, of one
-        size, used in turn.
+      bounce: a page-aligned buffer of whole pages the data passes through.
       head: the first leaves a read may ask for alone (`read(head=...)`).
-      writing: entered around each write call (the time the disk is busy, for
-        `Busy`).
-      helper: where each piece is written (None: on this thread).
 
     Raises:
       DiskStateError: the write failed (the disk is full, or an I/O error).
     """
-    crc, at, fill, k, pending = 0, PAGE, 0, 0, None
-    bounce = bounces[0]
+    crc, at, fill = 0, PAGE, 0
     head_bytes = sum(round_up(leaf.nbytes) for leaf in self.layout.leaves[:head])
     head_crc = 0
 
-    def put(view, at):
-      with writing():
-        self._pwrite(view, at)
-
-    def wait():  # the piece before: its buffer is the next one's
-      nonlocal pending
-      if pending is not None:
-        pending, last = None, pending
-        last.result()
-
     def flush(n):
-      nonlocal crc, at, bounce, k, pending
+      nonlocal crc, at
       view = bounce[:n]
       crc = zlib.crc32(view, crc)
-      wait()
-      if helper is None or len(bounces) < 2:
-        put(view, at)
-      else:
-        pending = helper.submit(put, view, at)
-      at, k = at + n, k + 1
-      bounce = bounces[k % len(bounces)]
+      self._pwrite(view, at)
+      at += n
 
-    try:
-      for i, (leaf, a) in enumerate(zip(self.layout.leaves, arrays)):
-        if i == head:  # the head's CRC: the data's so far
-          if fill:
-            flush(fill)
-            fill = 0
-          head_crc = crc
-        src = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        pos, end = 0, round_up(leaf.nbytes)
-        while pos < end:
-          n = min(end - pos, bounce.size - fill)
-          real = max(0, min(n, src.size - pos))
-          bounce[fill:fill + real] = src[pos:pos + real]
-          bounce[fill + real:fill + n] = 0
-          fill, pos = fill + n, pos + n
-          if fill == bounce.size:
-            flush(fill)
-            fill = 0
-      if fill:
-        flush(fill)
-      wait()  # the data is written before the header that makes it valid
-    finally:
-      if pending is not None:  # a copy failed: the write is done before this returns
-        concurrent.futures.wait([pending])
+    for i, (leaf, a) in enumerate(zip(self.layout.leaves, arrays)):
+      if i == head:  # the head's CRC: the data's so far
+        if fill:
+          flush(fill)
+          fill = 0
+        head_crc = crc
+      src = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+      pos, end = 0, round_up(leaf.nbytes)
+      while pos < end:
+        n = min(end - pos, bounce.size - fill)
+        real = max(0, min(n, src.size - pos))
+        bounce[fill:fill + real] = src[pos:pos + real]
+        bounce[fill + real:fill + n] = 0
+        fill, pos = fill + n, pos + n
+        if fill == bounce.size:
+          flush(fill)
+          fill = 0
+    if fill:
+      flush(fill)
     if head >= len(arrays):
       head_crc = crc
     page = aligned_buffer(PAGE)
     page[:_HEADER.size] = np.frombuffer(_HEADER.pack(
         MAGIC, VERSION, self.token, self.unit, generation, self.layout.data_bytes,
         head_bytes, head_crc, crc), np.uint8)
-    put(page, 0)
+    self._pwrite(page, 0)
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-  def read(self, generation: int, sink: Callable[[int, int, np.ndarray], None],
-           bounces: Sequence[np.ndarray], head: int | None = None,
-           reading: Callable[[], ContextManager] = contextlib.nullcontext,
-           helper: concurrent.futures.Executor | None = None) -> None:
-    """Reads the unit's arrays a bounce buffer at a time, handing each piece to `sink`,
-    and checks them against the header.
-
-    No buffer of the unit's size is made: `sink` copies each piece where it belongs.
-    With two bounce buffers and a `helper`, a piece's check and copy run there while
-    the next piece is read into the other buffer, so the disk is not left waiting
-    for them. Whatever `sink` filled is only valid once this returns: the CRC is
-    checked after the last piece.
+  def read(self, generation: int, head: int | None = None,
+           buffer: np.ndarray | None = None) -> list[np.ndarray]:
+    """Reads the unit's arrays and checks them against the header.
 
     Args:
       generation: the write the caller expects to find.
-      sink: `sink(leaf, start, values)`: `values` (a view of a bounce buffer, in the
-        leaf's dtype, flat) are the leaf's elements from `start` on.
-      bounces: page-aligned buffers of whole pages the data passes through, of one
-        size, used in turn.
       head: read only the first leaves, as many as the write's `head` (None: all).
-      reading: entered around each read call (the time the disk is busy, for
-        `Busy`); not around the checks and copies.
-      helper: where each piece is checked and handed to `sink`, in order (None: on
-        this thread, between the reads).
+      buffer: a page-aligned buffer to read into (None, or too small: a fresh one).
+
+    Returns:
+      The arrays, views of that buffer.
 
     Raises:
       DiskStateError: the file is short, of another run or unit, from another
@@ -270,8 +237,7 @@ class UnitFile:
       self._bad(f"it has {size} bytes where the state takes {self.layout.file_bytes} "
                 "(truncated or replaced)")
     page = aligned_buffer(PAGE)
-    with reading():
-      self._pread(page, 0)
+    self._pread(page, 0)
     magic, version, token, unit, gen, nbytes, head_bytes, head_crc, crc = _HEADER.unpack(
         page[:_HEADER.size].tobytes())
     if magic != MAGIC or version != VERSION:
@@ -283,43 +249,16 @@ class UnitFile:
     if gen != generation:
       self._bad(f"it holds write {gen} of this unit's state, not write {generation} "
                 "(a write was lost)")
-    got = 0
-
-    def take(view, leaf, start, real, dtype):  # in the pieces' order
-      nonlocal got
-      got = zlib.crc32(view, got)
-      if real > 0:
-        sink(leaf, start, view[:real].view(dtype))
-
-    pending, k = None, 0
-    try:
-      for i, leaf in enumerate(self.layout.leaves[:head]):  # each from a page boundary
-        dtype = np.dtype(leaf.dtype)
-        pos, end = 0, round_up(leaf.nbytes)
-        while pos < end:
-          bounce, k = bounces[k % len(bounces)], k + 1
-          view = bounce[:min(bounce.size, end - pos)]
-          with reading():
-            self._pread(view, PAGE + leaf.offset + pos)
-          if pending is not None:  # the piece before: its buffer is the next one's
-            pending, last = None, pending
-            last.result()
-          piece = (view, i, pos // dtype.itemsize, min(view.size, leaf.nbytes - pos), dtype)
-          if helper is None or len(bounces) < 2:
-            take(*piece)
-          else:
-            pending = helper.submit(take, *piece)
-          pos += view.size
-      if pending is not None:
-        pending, last = None, pending
-        last.result()
-    finally:
-      if pending is not None:  # a read failed: the sink is done before this returns
-        concurrent.futures.wait([pending])
-    if got != (crc if head is None else head_crc):
+    size = self.layout.data_bytes if head is None else head_bytes
+    data = buffer if buffer is not None and buffer.size >= size else aligned_buffer(size)
+    for at in range(0, size, CHUNK):
+      self._pread(data[at:min(at + CHUNK, size)], PAGE + at)
+    if zlib.crc32(data[:size]) != (crc if head is None else head_crc):
       self._bad("its data does not match its checksum (modified or corrupted)")
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    views = self.layout.views(data)
+    return views if head is None else views[:head]
 
   def _bad(self, why: str):
     raise DiskStateError(errno.EIO, f"The state file {self.path} of unit {self.unit} cannot "

@@ -13,18 +13,18 @@ tier", says what this costs and guarantees.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import os
 import threading
 import weakref
 from typing import Any, Iterable, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, UnitFile
-from megatrain_jax.engine.host.disk_support import Buffers, Busy, Fill, check_space, \
-    lock_dir, remove_files, state_dirs
+from megatrain_jax.engine.host.disk_support import Buffers, Busy, check_space, lock_dir, \
+    remove_files, state_dirs
 from megatrain_jax.engine.host.flat import FlatSpec, split_master
 from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
@@ -75,9 +75,6 @@ class DiskStore(HostStore):
     self._uncopied: set[int] = set()  # put, their streaming copy not yet cast from RAM
     self._buffers = Buffers()
     self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk")
-    # A read's pieces are checked and copied here while its next piece is read; a
-    # write's pieces are written here while its next one is copied and checked.
-    self._helper = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk-overlap")
     self._order = list(range(n - 1, -1, -1))  # updates come head first
     self._seen: list[int] = []
     self._n_trained = sum(1 for t in self.trained if t.size)
@@ -97,7 +94,6 @@ class DiskStore(HostStore):
         kept.append(parts[0] if whole else None)
     except BaseException:
       self._pool.shutdown(wait=True)
-      self._helper.shutdown(wait=True)
       self._finalizer()  # no files or locks left behind
       raise
     # A whole-tree transform's state is the tree's, made from every master at once.
@@ -123,7 +119,12 @@ class DiskStore(HostStore):
     t = self._templates[u]
     k = len(t.master)
     leaves, treedef = jax.tree.flatten(t.opt)
-    return UnitState(tuple(arrays[:k]), treedef.unflatten(list(arrays[k:k + len(leaves)])))
+    # Copies the update owns (and so updates in place, donated), done before the read
+    # buffer is reused: on the I/O thread, not the update's.
+    put = lambda a: jnp.array(a, copy=True, device=self.sharding)
+    st = UnitState(tuple(put(a) for a in arrays[:k]),
+                   treedef.unflatten([put(a) for a in arrays[k:k + len(leaves)]]))
+    return jax.block_until_ready(st)
 
   # -- I/O -----------------------------------------------------------------------
 
@@ -134,9 +135,8 @@ class DiskStore(HostStore):
 
   def _write(self, u: int, st: UnitState, gen: int) -> None:
     arrays = [np.asarray(x) for x in self._leaves(st)]
-    with self._buffers(CHUNK) as one, self._buffers(CHUNK) as two:
-      self._files[u].write(arrays, gen, (one, two), head=len(st.master),
-                           writing=self._writing, helper=self._helper)
+    with self._buffers(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
+      self._files[u].write(arrays, gen, bounce, head=len(st.master))
 
   def _file(self, u: int) -> UnitFile:
     if not self._finalizer.alive:
@@ -144,32 +144,13 @@ class DiskStore(HostStore):
                          "closes: read params() or save a checkpoint before close().")
     return self._files[u]
 
-  def _read_leaves(self, u: int, gen: int | None = None, head: int | None = None
-                   ) -> list[jax.Array]:
-    """A unit's leaves (the first `head` of them, or all), read into arrays the update
-    owns, through one bounce buffer: no unit-sized buffer is made or kept."""
-    leaves = self._leaves(self._templates[u])[:head]
-    fill = Fill(leaves, self.sharding, CHUNK)
-    with self._buffers(CHUNK) as one, self._buffers(CHUNK) as two:
-      self._file(u).read(self._gen[u] if gen is None else gen, fill, (one, two), head=head,
-                         reading=self._reading, helper=self._helper)
-    with self._cv:
-      self.read_bytes += (self.layouts[u].file_bytes if head is None
-                          else sum(leaf.nbytes for leaf in self.layouts[u].leaves[:head]))
-    return fill.arrays()
-
-  @contextlib.contextmanager
-  def _reading(self):
-    with self.busy["read"](), self.busy["any"]():
-      yield
-
-  @contextlib.contextmanager
-  def _writing(self):
-    with self.busy["write"](), self.busy["any"]():
-      yield
-
   def _read(self, u: int, gen: int | None = None) -> UnitState:
-    return self._from_leaves(u, self._read_leaves(u, gen))
+    with self._buffers(self.layouts[u].data_bytes) as buf:
+      with self.busy["read"](), self.busy["any"]():
+        arrays = self._file(u).read(self._gen[u] if gen is None else gen, buffer=buf)
+      with self._cv:
+        self.read_bytes += self.layouts[u].file_bytes
+      return self._from_leaves(u, arrays)  # copies: the buffer is free after
 
   def _read_ahead(self, units) -> None:
     """Starts reading these units' states, unless in RAM, on their way, or being written
@@ -317,7 +298,12 @@ class DiskStore(HostStore):
       return self._get(u).master
     if write is not None:
       write.result()
-    return tuple(self._read_leaves(u, head=len(self._templates[u].master)))
+    k = len(self._templates[u].master)
+    with self.busy["read"](), self.busy["any"]():
+      views = self._file(u).read(self._gen[u], head=k)
+    with self._cv:
+      self.read_bytes += sum(v.nbytes for v in views)
+    return tuple(jnp.array(v, copy=True, device=self.sharding) for v in views)
 
   # -- reads and writes outside the update path (checkpoints, params) -------------
 
@@ -395,7 +381,6 @@ class DiskStore(HostStore):
       self.flush()
     finally:
       self._pool.shutdown(wait=True)
-      self._helper.shutdown(wait=True)
       with self._cv:
         self._reads.clear()
         self._ready.clear()

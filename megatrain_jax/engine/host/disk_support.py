@@ -1,20 +1,17 @@
-"""The disk tier's directories (their checks and locks), its reused buffers, the arrays
-a read fills, and the time its disk is busy (`host.disk` has the files themselves)."""
+"""The disk tier's directories (their checks and locks), its reused buffers, and the
+time its disk is busy (`host.disk` has the files themselves)."""
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import glob
 import os
 import shutil
 import threading
 import time
-from typing import Any, Iterator, Sequence
+from typing import Iterator, Sequence
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
@@ -76,63 +73,6 @@ class Buffers:
     finally:
       with self._lock:
         pool.append(buf)
-
-
-class Fill:
-  """The arrays a `UnitFile.read` fills a piece at a time: XLA's own, on the host
-  device (so the update may donate them and run in place), made without a second
-  copy of the unit in RAM. A leaf no larger than a piece is gathered in NumPy and
-  copied once; a larger one is made by XLA (zeros, done before any piece lands) and
-  each piece is copied straight into its buffer, through a NumPy view of it: an XLA
-  op per piece would queue behind the compute on the same client.
-  """
-
-  def __init__(self, leaves: Sequence[Any], sharding, piece_bytes: int):
-    """Makes the arrays, empty.
-
-    Args:
-      leaves: the shapes and dtypes to fill (`jax.ShapeDtypeStruct`s).
-      sharding: where the arrays live: one CPU device (whose buffers are host
-        memory that stays where it is).
-      piece_bytes: the largest piece a read hands over (its bounce buffer's size).
-    """
-    self.shapes, self.sharding = [tuple(x.shape) for x in leaves], sharding
-    self._arrays, self._views = [], []
-    for x in leaves:
-      n, dtype = int(np.prod(x.shape, dtype=np.int64)), np.dtype(x.dtype)
-      if n * dtype.itemsize <= piece_bytes:
-        self._arrays.append(None)
-        self._views.append(np.empty(n, dtype))
-      else:
-        a = jax.block_until_ready(jnp.zeros((n,), dtype, device=sharding))
-        raw = (ctypes.c_char * (n * dtype.itemsize)).from_address(a.unsafe_buffer_pointer())
-        self._arrays.append(a)
-        self._views.append(np.frombuffer(raw, dtype))
-
-  def __call__(self, leaf: int, start: int, values: np.ndarray) -> None:
-    """Puts `values` at elements [start, start + values.size) of a leaf.
-
-    Args:
-      leaf: the leaf's index.
-      start: its first element written.
-      values: flat, in the leaf's dtype.
-    """
-    self._views[leaf][start:start + values.size] = values
-
-  def arrays(self) -> list[jax.Array]:
-    """The filled arrays, in their shapes (only valid once the read returned; the
-    views into them are dropped).
-
-    Returns:
-      One per leaf.
-    """
-    out = []
-    for a, v, shape in zip(self._arrays, self._views, self.shapes):
-      if a is None:
-        a = jnp.array(v, copy=True, device=self.sharding)
-      out.append(a if a.shape == shape else a.reshape(shape))
-    self._views = []
-    return jax.block_until_ready(out)
 
 
 def state_dirs(state_dir: str | Sequence[str]) -> list[str]:
