@@ -135,7 +135,8 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     `optimizer.init` traced on the unit shapes). With `state_tier="disk"` (unless the
     transform is whole-tree) both are 0 and state_in_flight counts the units' state
     in RAM at once: `state_in_flight` read ahead, one updating, as many written behind
-    (the largest units' states, at most). gradient_buffers: fp32
+    (the largest units' states, at most), and read_buffers the store's reused read
+    buffers, one of each unit state's size. gradient_buffers: fp32
     accumulators of the whole model when updates wait for the sweep or
     grad_accum > 1, plus the gradients queued between the threads.
     pinned_copies: the compute-dtype copy of every unit plus one being replaced,
@@ -167,6 +168,8 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     out["masters"] = out["optimizer_state"] = 0
     per_unit = sorted((4 * t + s for t, s in zip(trained, states)), reverse=True)
     out["state_in_flight"] = sum(per_unit[:2 * ec.state_in_flight + 1])
+    # The store reuses a read buffer of each unit state's size, for the whole run.
+    out["read_buffers"] = sum(set(per_unit))
   if nt < n:
     out["frozen_params"] = (n - nt) * jnp.dtype(ec.frozen_dtype_name).itemsize
   if batch_size is not None:
