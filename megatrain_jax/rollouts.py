@@ -23,6 +23,7 @@ from typing import Any, Hashable, Iterable, Sequence
 import numpy as np
 from absl import logging
 
+from megatrain_jax.data.corpus import jsonl_records
 from megatrain_jax.models.policy import group_advantages
 
 _KNOWN = ("prompt_ids", "completion_ids", "reward", "group", "logprobs")
@@ -142,16 +143,7 @@ def read_jsonl(path: str) -> list[Rollout]:
     ValueError: a line that is not JSON or not a rollout (`parse`), named by its
       number; an empty file.
   """
-  out = []
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n}: not JSON ({e.msg}).") from None
-      out.append(parse(record, f"{path}:{n}"))
+  out = [parse(record, where) for where, record in jsonl_records(path)]
   if not out:
     raise ValueError(f"{path} holds no rollout.")
   return out

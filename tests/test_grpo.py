@@ -34,7 +34,7 @@ def _write(path, lines):
     ('{"prompt_ids": [1], "completion_ids": [2], "reward": "1"}', "'reward' must be a finite"),
     ('{"prompt_ids": [1], "completion_ids": [2, 3], "reward": 1, "logprobs": [-1]}',
      "one number per completion token"),
-    ('{"prompt_ids": [1]', "not JSON"),
+    ('{"prompt_ids": [1]', "not valid JSON"),
     ('{"prompt_ids": [4294967296], "completion_ids": [2], "reward": 1}', "2\\*\\*31"),
     ('{"prompt_ids": [1], "completion_ids": [2], "reward": 1e400}', "'reward' must be"),
     ('{"prompt_ids": [1], "completion_ids": [2], "reward": 1, "logprobs": ["a"]}',

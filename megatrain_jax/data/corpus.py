@@ -47,7 +47,18 @@ def _expand(path: str) -> list[str]:
   return [path]
 
 
-def _jsonl_texts(path: str) -> Iterator[str]:
+def jsonl_records(path: str) -> Iterator[tuple[str, object]]:
+  """The JSON values of a JSON-lines file, one per non-blank line.
+
+  Args:
+    path: the file.
+
+  Yields:
+    ("path:line", the line's value), for error messages that name the line.
+
+  Raises:
+    ValueError: a line that is not JSON, named by its number.
+  """
   with open(path, encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
@@ -56,9 +67,14 @@ def _jsonl_texts(path: str) -> Iterator[str]:
         record = json.loads(line)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}).") from None
-      if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-        raise ValueError(f'{path}:{lineno}: a JSONL record needs a string "text" field.')
-      yield record["text"]
+      yield f"{path}:{lineno}", record
+
+
+def _jsonl_texts(path: str) -> Iterator[str]:
+  for where, record in jsonl_records(path):
+    if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+      raise ValueError(f'{where}: a JSONL record needs a string "text" field.')
+    yield record["text"]
 
 
 def read_documents(paths: Sequence[str] | str, max_bytes: int | None = None,
