@@ -341,3 +341,37 @@ def test_units_that_are_not_the_configs_are_refused(tmp_path):
     make(units + [units[-1]])
   with pytest.raises(ValueError, match="Unit 4's parameters do not have the layout"):
     make(units[:-1] + [units[1]])
+
+
+def test_the_buffer_pool_reuses_the_largest_buffer_for_smaller_reads():
+  page = disk.PAGE
+  pool = disk_support.Buffers(keep=1)
+  for n in (10 * page, 12 * page, 10 * page, 12 * page):  # a block's, the head's, ...
+    with pool(n) as buf:
+      assert buf.size >= n and buf.ctypes.data % page == 0
+  assert pool.held_bytes() == 12 * page  # one buffer, of the largest size
+  with pool(1000) as small:  # a write's bounce buffer: never the unit-sized one
+    assert small.size == page
+  assert pool.held_bytes() == 12 * page  # keep=1: the smaller one is not kept
+  with pool(12 * page) as a, pool(10 * page) as b:  # two at once: two buffers
+    assert a.ctypes.data != b.ctypes.data
+  assert pool.held_bytes() == 12 * page
+  with pool(30 * page):  # more than twice a kept one: a new one, which supersedes none
+    pass
+  assert pool.held_bytes() == 30 * page
+
+
+def test_reads_keep_one_buffer_per_read_ahead_not_one_per_unit_size(tmp_path):
+  from megatrain_jax.engine.plan import memory
+  cfg = CFG.replace(vocab_size=320)  # the embedding's and head's states outsize a block's
+  ec = _disk(tmp_path, state_in_flight=1)
+  tx = mt.optim.adamw(1e-2)
+  with mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), tx, ec) as eng:
+    for b in BATCHES[:3]:
+      eng.step(b)
+    eng.wait()
+    held = eng.stats()["disk"]["read_buffer_bytes"]
+  planned = memory.host_bytes(cfg, tx, ec)["read_buffers"]
+  # One buffer, the largest unit state's (the planner's figure, up to each leaf's
+  # rounding to whole pages), where one of each size held nearly three times it.
+  assert planned <= held <= planned + 4 * disk.PAGE

@@ -261,11 +261,13 @@ def test_the_disk_tier_plan_moves_the_state_to_the_drives():
   assert on_disk.host["optimizer_state"] == 0
   block = sizes.unit_sizes(cfg)[1]
   assert on_disk.host["state_in_flight"] == 5 * (12 * block + 4)  # moments' count
-  # And a reused read buffer of each unit state's size: the embedding's, a block's,
-  # the head's.
+  # And a reused read buffer for each read ahead at once, of the largest unit state's
+  # size (here a block's), not one of each size.
   units = sizes.unit_sizes(cfg)
-  assert on_disk.host["read_buffers"] == sum({12 * u + 4 for u in units})
-  assert len({units[0], block, units[-1]}) == 3 == len(set(units))
+  assert block == max(units) and len(set(units)) == 3
+  assert on_disk.host["read_buffers"] == 2 * (12 * block + 4)
+  one = dataclasses.replace(disk_ec, state_in_flight=1)
+  assert planner.plan(cfg, ADAMW, one, hw, 1, 2048).host["read_buffers"] == 12 * block + 4
   assert on_disk.disk_bytes == 12 * n and in_ram.disk_bytes == 0
   state = 12 * n  # read, then written, over 4 drives
   assert on_disk.times["disk"] == pytest.approx(

@@ -73,7 +73,8 @@ class DiskStore(HostStore):
     self._writes: dict[int, concurrent.futures.Future] = {}
     self._taken: set[int] = set()  # in an update: their files are about to be replaced
     self._uncopied: set[int] = set()  # put, their streaming copy not yet cast from RAM
-    self._buffers = Buffers()
+    # Reads keep one buffer per read ahead at once; writes their small bounce buffers.
+    self._buffers, self._bounce = Buffers(keep=depth), Buffers()
     self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk")
     self._order = list(range(n - 1, -1, -1))  # updates come head first
     self._seen: list[int] = []
@@ -135,7 +136,7 @@ class DiskStore(HostStore):
 
   def _write(self, u: int, st: UnitState, gen: int) -> None:
     arrays = [np.asarray(x) for x in self._leaves(st)]
-    with self._buffers(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
+    with self._bounce(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
       self._files[u].write(arrays, gen, bounce, head=len(st.master))
 
   def _file(self, u: int) -> UnitFile:
@@ -360,13 +361,15 @@ class DiskStore(HostStore):
     Returns:
       "read_bytes", "write_bytes" (queued), "read_misses" (updates that waited for
       a read started then), "read_busy_s", "write_busy_s" and "busy_s" (wall time
-      with at least one read, write, or either under way), "file_bytes", "dirs".
+      with at least one read, write, or either under way), "file_bytes", "dirs",
+      "read_buffer_bytes" (the read buffers, in use or kept for reuse).
     """
     with self._cv:
       return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
               "read_misses": self.misses, "read_busy_s": self.busy["read"].seconds,
               "write_busy_s": self.busy["write"].seconds, "busy_s": self.busy["any"].seconds,
-              "file_bytes": self.disk_bytes(), "dirs": list(self.dirs)}
+              "file_bytes": self.disk_bytes(), "dirs": list(self.dirs),
+              "read_buffer_bytes": self._buffers.held_bytes()}
 
   def close(self) -> None:
     """Lets the pending writes finish, then removes the state files (a run's working

@@ -15,7 +15,8 @@ from typing import Iterator, Sequence
 import numpy as np
 from absl import logging
 
-from megatrain_jax.engine.host.disk import DiskStateError, UnitFile, aligned_buffer
+from megatrain_jax.engine.host.disk import DiskStateError, UnitFile, aligned_buffer, \
+    round_up
 
 LOCK_NAME = "megatrain_state.lock"
 
@@ -48,31 +49,60 @@ class Busy:
 
 
 class Buffers:
-  """Page-aligned buffers by size, reused: a fresh mapping would fault its pages in
-  again at every read or write."""
+  """Page-aligned buffers, reused: a fresh mapping would fault its pages in again at
+  every read or write.
 
-  def __init__(self):
-    self._lock, self._free = threading.Lock(), {}
+  A request takes the smallest free buffer that holds it and is at most twice its
+  size. When none does, a new one is made, and the free buffers it supersedes (too
+  small for it, but at least half its size) are dropped. So the reads of units of
+  different sizes (a model's embedding, blocks and head) keep one buffer for each
+  read under way, of the largest of those sizes, not one of each size; and a small
+  request (a write's bounce buffer) never holds on to a unit-sized one. With `keep`,
+  at most that many free buffers are kept (the smallest go first): more may be in use
+  at once (a read outside the read-ahead), but they are not held after.
+  """
+
+  def __init__(self, keep: int | None = None):
+    self._lock, self._free, self._keep, self._in_use = threading.Lock(), [], keep, 0
 
   @contextlib.contextmanager
   def __call__(self, nbytes: int) -> Iterator[np.ndarray]:
-    """A buffer of `nbytes` for the block, given back after it.
+    """A buffer of at least `nbytes` for the block, given back after it.
 
     Args:
-      nbytes: its size.
+      nbytes: the size needed.
 
     Yields:
-      The buffer.
+      The buffer (its first `nbytes` bytes are the caller's to use).
     """
+    need = round_up(max(nbytes, 1))
     with self._lock:
-      pool = self._free.setdefault(nbytes, [])
-      buf = pool.pop() if pool else None
-    buf = aligned_buffer(nbytes) if buf is None else buf
+      fits = [i for i, b in enumerate(self._free) if need <= b.size <= 2 * need]
+      if fits:
+        buf = self._free.pop(min(fits, key=lambda i: self._free[i].size))
+      else:
+        buf = None
+        self._free = [b for b in self._free if not need // 2 <= b.size < need]
+    buf = aligned_buffer(need) if buf is None else buf
+    with self._lock:
+      self._in_use += buf.size
     try:
       yield buf
     finally:
       with self._lock:
-        pool.append(buf)
+        self._in_use -= buf.size
+        self._free.append(buf)
+        if self._keep is not None and len(self._free) > self._keep:
+          self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].size))
+
+  def held_bytes(self) -> int:
+    """Bytes of the buffers in use and of those kept for reuse.
+
+    Returns:
+      Their total size.
+    """
+    with self._lock:
+      return self._in_use + sum(b.size for b in self._free)
 
 
 def state_dirs(state_dir: str | Sequence[str]) -> list[str]:

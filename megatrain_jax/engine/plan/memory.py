@@ -136,7 +136,7 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     transform is whole-tree) both are 0 and state_in_flight counts the units' state
     in RAM at once: `state_in_flight` read ahead, one updating, as many written behind
     (the largest units' states, at most), and read_buffers the store's reused read
-    buffers, one of each unit state's size. gradient_buffers: fp32
+    buffers, one for each read ahead at once (the largest units' states' sizes). gradient_buffers: fp32
     accumulators of the whole model when updates wait for the sweep or
     grad_accum > 1, plus the gradients queued between the threads.
     pinned_copies: the compute-dtype copy of every unit plus one being replaced,
@@ -168,8 +168,8 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     out["masters"] = out["optimizer_state"] = 0
     per_unit = sorted((4 * t + s for t, s in zip(trained, states)), reverse=True)
     out["state_in_flight"] = sum(per_unit[:2 * ec.state_in_flight + 1])
-    # The store reuses a read buffer of each unit state's size, for the whole run.
-    out["read_buffers"] = sum(set(per_unit))
+    # The store keeps a read buffer for each read ahead at once, of the largest size.
+    out["read_buffers"] = sum(per_unit[:ec.state_in_flight])
   if nt < n:
     out["frozen_params"] = (n - nt) * jnp.dtype(ec.frozen_dtype_name).itemsize
   if batch_size is not None:
