@@ -78,8 +78,11 @@ def main(argv):
   devices = FLAGS.data_parallel * FLAGS.hosts
   if FLAGS.batch_size == "auto":
     cfg = planner.fit_compute(cfg, ec, hw, ec.grad_accum, FLAGS.seq_len)
-    batch = planner.largest_batch(cfg, ec, hw.device_bytes, FLAGS.seq_len, hw.flash_attention,
-                                  hosts=FLAGS.hosts)
+    largest = lambda **kw: planner.largest_batch(cfg, ec, hw.device_bytes, FLAGS.seq_len,
+                                                 hw.flash_attention, hosts=FLAGS.hosts, **kw)
+    # The largest that fits the device and the host; where the host holds none, the
+    # device's largest, so the plan shows what does not fit.
+    batch = largest(optimizer=opt, hw=hw) or largest()
     if batch == 0:
       raise app.UsageError(f"Not even one sequence of {FLAGS.seq_len} tokens fits {hw.name}.")
   else:

@@ -268,6 +268,10 @@ def read_config(local_dir: str) -> tuple[LlamaConfig, str, dict[str, Any]]:
   if not os.path.exists(path):
     raise FileNotFoundError(f"{path} does not exist: pass a directory holding a Hugging "
                             "Face checkpoint (config.json and *.safetensors).")
+  return _read_config_file(path)
+
+
+def _read_config_file(path: str) -> tuple[LlamaConfig, str, dict[str, Any]]:
   try:
     with open(path, encoding="utf-8") as f:
       hf = json.load(f)
@@ -332,3 +336,18 @@ def hf_config(cfg: LlamaConfig, architecture: str | None = None,
     if k in NO_MATH_KEYS and k not in ("architectures", "model_type"):
       out[k] = v
   return out
+
+
+def config_from_hf_json(path: str) -> LlamaConfig:
+  """A LlamaConfig from a Hugging Face config.json file, wherever it is.
+
+  Args:
+    path: the file.
+
+  Returns:
+    The config.
+
+  Raises:
+    ValueError: the file is not JSON, or uses what is not implemented.
+  """
+  return _read_config_file(path)[0]

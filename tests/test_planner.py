@@ -87,6 +87,21 @@ def test_largest_batch_is_the_edge_of_the_device():
   assert total(b)["total"] <= hw.device_bytes < total(b + 2)["total"]
 
 
+def test_largest_batch_is_the_edge_of_the_host_where_the_host_is_shorter():
+  # 70B with its state on the workstation's drives: the activation checkpoints that
+  # go to host memory grow with the batch, and the host runs out before the device.
+  cfg = mt.preset("70b")
+  ec = mt.EngineConfig(compute_dtype="bfloat16", state_tier="disk", state_dir="drives",
+                       state_in_flight=1)
+  hw = planner.PROFILES["workstation"]
+  device_only = planner.largest_batch(cfg, ec, hw.device_bytes, 4096)
+  b = planner.largest_batch(cfg, ec, hw.device_bytes, 4096, optimizer=ADAMW, hw=hw)
+  assert 0 < b < device_only
+  at, over = (planner.plan(cfg, ADAMW, ec, hw, n, 4096) for n in (b, b + 1))
+  assert at.fits and not over.fits and at.largest_batch == over.largest_batch == b
+  assert over.host["total"] > hw.host_bytes >= at.host["total"]
+
+
 def test_predicted_device_peak_matches_the_engine_on_this_machine():
   """The plan's device peak against the engine's ledger (within 15%), three shapes,
   with gradients that wait for the link, the case the plan models. (Its step time

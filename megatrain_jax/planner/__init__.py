@@ -3,6 +3,7 @@
 
 from megatrain_jax.planner.hardware import GB, PROFILES, Hardware, hardware
 from megatrain_jax.planner.cost import step_bytes, step_flops
-from megatrain_jax.planner.plan import (LONG_CONTEXT, TB, Plan, config_from_hf_json,
-                                        device_peak, device_total, fastest, fit_compute,
-                                        largest_batch, plan, resolve, workspace_bytes)
+from megatrain_jax.hf_config import config_from_hf_json
+from megatrain_jax.planner.plan import (LONG_CONTEXT, TB, Plan, device_peak, device_total,
+                                        fastest, fit_compute, largest_batch, plan, resolve,
+                                        workspace_bytes)

@@ -208,10 +208,11 @@ class Plan:
 
 
 def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: bool = True,
-                  limit: int = 1 << 16, hosts: int = 1) -> int:
+                  limit: int = 1 << 16, hosts: int = 1, optimizer=None, hw=None) -> int:
   """The largest global batch (a multiple of grad_accum x the devices) whose share
-  per device, workspace included, fits in `device_bytes`; 0 when not even one
-  micro-batch fits.
+  per device, workspace included, fits in `device_bytes`, and with `optimizer` and
+  `hw` whose host bytes (the activation checkpoints grow with the batch) fit the
+  host too; 0 when not even one micro-batch fits.
 
   Args:
     cfg: the model.
@@ -222,13 +223,16 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
     limit: the batch is doubled only while it stays within this; the bisection
       after can pass it, staying below twice it.
     hosts: hosts, each with `ec.data_parallel` devices.
+    optimizer: the transform the engine runs (None: the device alone is checked).
+    hw: the hardware profile whose host (and drives) must hold the run too.
 
   Returns:
     The batch size, or 0.
   """
   devices = max(ec.data_parallel, 1) * hosts
   fits = lambda b: (device_total(cfg, ec, b // devices, seq_len, flash_attention,
-                                device_bytes)["total"] <= device_bytes)
+                                device_bytes)["total"] <= device_bytes and (
+      optimizer is None or _evaluate(cfg, optimizer, ec, hw, b, seq_len, hosts).fits))
   step = ec.grad_accum * devices  # micro-batches split over devices
   if not fits(step):
     return 0
@@ -292,7 +296,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
       device=dev, device_peak=device_peak(cfg, ec, share, seq_len, hw.flash_attention),
       fits=fits,
       largest_batch=largest_batch(cfg, ec, hw.device_bytes, seq_len, hw.flash_attention,
-                                  hosts=hosts),
+                                  hosts=hosts, optimizer=optimizer, hw=hw),
       times=t, step_s=step, bottleneck=bottleneck, break_even_tokens=break_even,
       tokens_per_s=tokens / step, model_tflops_per_s=model_flops / step / TB,
       mfu=model_flops / step / (hw.peak_flops * devices))
@@ -383,17 +387,3 @@ def fit_compute(cfg: LlamaConfig, ec, hw: Hardware, batch_size: int, seq_len: in
       return c
   return candidates[-1]
 
-
-def config_from_hf_json(path: str) -> LlamaConfig:
-  """A LlamaConfig from a Hugging Face config.json file.
-
-  Args:
-    path: the config.json file.
-
-  Returns:
-    The config.
-  """
-  import json  # pylint: disable=import-outside-toplevel
-  from megatrain_jax import hf_config  # pylint: disable=import-outside-toplevel
-  with open(path, encoding="utf-8") as f:
-    return hf_config.config_from_hf(json.load(f))[0]
