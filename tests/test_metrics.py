@@ -125,10 +125,13 @@ def test_step_ratio_formula(monkeypatch):
 
 
 def test_link_ratio_formulas(monkeypatch):
-  monkeypatch.setattr(link, "median_times", lambda fns, warmup, reps: {"c": 2.0})
-  monkeypatch.setattr(link, "steady_step_times",
-                      lambda trainers, batch, warmup, reps: {"prefetch": 2.5, "none": 4.0,
-                                                             "deeper": 2.0, "host": 2.6})
+  turns = []
+
+  def steady(trainers, batch, warmup, reps):
+    turns.append(list(trainers))
+    return {"compute": 2.0, "prefetch": 2.5, "none": 4.0, "deeper": 2.0, "host": 2.6}
+
+  monkeypatch.setattr(link, "steady_step_times", steady)
   monkeypatch.setattr(link, "layer_backward_time", lambda *a: 0.1)
 
   class FakeTrainer:
@@ -138,6 +141,10 @@ def test_link_ratio_formulas(monkeypatch):
       return self
     def __exit__(self, *exc):
       pass
+    def step(self, batch):
+      return {}
+    def wait(self):
+      pass
     def stats(self):
       return {"last_step": {"h2d_bytes": 3000}, "layer_bytes": 100}
 
@@ -146,6 +153,9 @@ def test_link_ratio_formulas(monkeypatch):
   # Link: 100 B per layer in 0.1 s = 1e-6 GB/s; 3000 B per step take 3 s > 2 s compute.
   assert out["link_gb_per_s"] == pytest.approx(1e-6)
   assert out["link_transfer_s"] == pytest.approx(3.0)
+  # The step without the link takes its turns with the linked ones, not before them.
+  assert turns == [["compute", "prefetch", "none", "deeper", "host"]]
+  assert out["link_compute_s"] == 2.0
   assert out["overlap_efficiency"] == pytest.approx(3.0 / 2.5)
   assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)
   assert out["overlap_efficiency_deeper_prefetch"] == pytest.approx(3.0 / 2.0)
