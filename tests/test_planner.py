@@ -100,6 +100,8 @@ def test_largest_batch_is_the_edge_of_the_host_where_the_host_is_shorter():
   at, over = (planner.plan(cfg, ADAMW, ec, hw, n, 4096) for n in (b, b + 1))
   assert at.fits and not over.fits and at.largest_batch == over.largest_batch == b
   assert over.host["total"] > hw.host_bytes >= at.host["total"]
+  with pytest.raises(ValueError, match="both optimizer= and hw="):
+    planner.largest_batch(cfg, ec, hw.device_bytes, 4096, optimizer=ADAMW)
 
 
 def test_predicted_device_peak_matches_the_engine_on_this_machine():

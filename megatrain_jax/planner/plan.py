@@ -228,7 +228,13 @@ def largest_batch(cfg, ec, device_bytes: int, seq_len: int, flash_attention: boo
 
   Returns:
     The batch size, or 0.
+
+  Raises:
+    ValueError: only one of `optimizer` and `hw` given.
   """
+  if (optimizer is None) != (hw is None):
+    raise ValueError("largest_batch checks the host only with both optimizer= and hw=: "
+                     "pass both, or neither for the device alone.")
   devices = max(ec.data_parallel, 1) * hosts
   fits = lambda b: (device_total(cfg, ec, b // devices, seq_len, flash_attention,
                                 device_bytes)["total"] <= device_bytes and (
