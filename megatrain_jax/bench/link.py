@@ -62,32 +62,32 @@ def link_ratios(s: Suite) -> dict[str, Any]:
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
   model = lambda: Llama(cfg, rngs=nnx.Rngs(0))
   t_layer = layer_backward_time(cfg, s.batch_size, s.seq_len, s.warmup, s.reps)
-  plain = StreamingTrainer(model(), adamw(1e-4), EngineConfig())
-  plain.step(batch)
-  plain.wait()
-  h2d, layer = plain.stats()["last_step"]["h2d_bytes"], plain.stats()["layer_bytes"]
-  gbps = layer / t_layer / 1e9
-  transfer = h2d / (gbps * 1e9)
-  link = lambda: SimulatedLink(gbps)
-  # Reported beside the default: one more buffer in flight, which covers the wait
-  # at a step's start (docs/performance.md, "Where the link waits").
-  deeper = EngineConfig().prefetch_depth + 1
   # The step without the link takes its turns beside the linked ones: its compute,
   # timed minutes apart, followed this machine's drifting speed (up to 1.4x in a few
   # minutes), not the overlap.
-  with plain, StreamingTrainer(model(), adamw(1e-4), EngineConfig(transport=link())) as a, \
-       StreamingTrainer(model(), adamw(1e-4),
-                        EngineConfig(transport=link(), prefetch_depth=0)) as b, \
-       StreamingTrainer(model(), adamw(1e-4),
-                        EngineConfig(transport=link(), prefetch_depth=deeper)) as c, \
-       StreamingTrainer(model(), adamw(1e-4),
-                        EngineConfig(transport=link(), activations="host")) as d:
-    t = steady_step_times({"compute": plain, "prefetch": a, "none": b, "deeper": c,
-                           "host": d}, batch, 1, max(3, s.reps // 2))
-    compute = t["compute"]
-    last = {k: e.stats()["last_step"] for k, e in (("device", a), ("host", d))}
-    h2d = {k: v["h2d_bytes"] + v.get("activation_bytes", {}).get("h2d", 0)
-           for k, v in last.items()}
+  with StreamingTrainer(model(), adamw(1e-4), EngineConfig()) as plain:
+    plain.step(batch)
+    plain.wait()
+    step_h2d, layer = plain.stats()["last_step"]["h2d_bytes"], plain.stats()["layer_bytes"]
+    gbps = layer / t_layer / 1e9
+    transfer = step_h2d / (gbps * 1e9)
+    link = lambda: SimulatedLink(gbps)
+    # Reported beside the default: one more buffer in flight, which covers the wait
+    # at a step's start (docs/performance.md, "Where the link waits").
+    deeper = EngineConfig().prefetch_depth + 1
+    with StreamingTrainer(model(), adamw(1e-4), EngineConfig(transport=link())) as a, \
+         StreamingTrainer(model(), adamw(1e-4),
+                          EngineConfig(transport=link(), prefetch_depth=0)) as b, \
+         StreamingTrainer(model(), adamw(1e-4),
+                          EngineConfig(transport=link(), prefetch_depth=deeper)) as c, \
+         StreamingTrainer(model(), adamw(1e-4),
+                          EngineConfig(transport=link(), activations="host")) as d:
+      t = steady_step_times({"compute": plain, "prefetch": a, "none": b, "deeper": c,
+                             "host": d}, batch, 1, max(3, s.reps // 2))
+      last = {k: e.stats()["last_step"] for k, e in (("device", a), ("host", d))}
+  compute = t["compute"]
+  h2d = {k: v["h2d_bytes"] + v.get("activation_bytes", {}).get("h2d", 0)
+         for k, v in last.items()}
   return {
       "overlap_efficiency": max(compute, transfer) / t["prefetch"],
       "no_prefetch_over_prefetch": t["none"] / t["prefetch"],

@@ -136,9 +136,9 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     transform is whole-tree) both are 0 and state_in_flight counts the units' state
     in RAM at once: `state_in_flight` read ahead, one updating, as many written behind
     (the largest units' states, at most), and read_buffers the store's reused read
-    buffers, one for each read ahead at once (the largest units' states' sizes). gradient_buffers: fp32
-    accumulators of the whole model when updates wait for the sweep or
-    grad_accum > 1, plus the gradients queued between the threads.
+    buffers, one for each read ahead at once (of the largest units' states' sizes).
+    gradient_buffers: fp32 accumulators of the whole model when updates wait for the
+    sweep or grad_accum > 1, plus the gradients queued between the threads.
     pinned_copies: the compute-dtype copy of every unit plus one being replaced,
     where they are kept (`keeps_stream_copy`). checkpoint_copies: what a save
     adds while training goes on (`snapshot_copy_bytes`, plus the unit the writer
