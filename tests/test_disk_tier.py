@@ -356,7 +356,7 @@ def test_the_buffer_pool_reuses_the_largest_buffer_for_smaller_reads():
   with pool(12 * page) as a, pool(10 * page) as b:  # two at once: two buffers
     assert a.ctypes.data != b.ctypes.data
   assert pool.held_bytes() == 12 * page
-  with pool(30 * page):  # more than twice a kept one: a new one, which supersedes none
+  with pool(30 * page):  # more than twice a kept one: a new one, kept in its place
     pass
   assert pool.held_bytes() == 30 * page
 

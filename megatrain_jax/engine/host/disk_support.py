@@ -53,13 +53,12 @@ class Buffers:
   every read or write.
 
   A request takes the smallest free buffer that holds it and is at most twice its
-  size. When none does, a new one is made, and the free buffers it supersedes (too
-  small for it, but at least half its size) are dropped. So the reads of units of
-  different sizes (a model's embedding, blocks and head) keep one buffer for each
-  read under way, of the largest of those sizes, not one of each size; and a small
-  request (a write's bounce buffer) never holds on to a unit-sized one. With `keep`,
-  at most that many free buffers are kept (the smallest go first): more may be in use
-  at once (a read outside the read-ahead), but they are not held after.
+  size (a small request never holds on to a unit-sized one), else a new one is made.
+  With `keep`, at most that many free buffers are kept, the smallest dropped first: so
+  the reads of units of different sizes (a model's embedding, blocks and head) keep
+  one buffer for each read ahead, of the largest of those sizes, not one of each
+  size; more may be in use at once (a read outside the read-ahead), but they are not
+  held after.
   """
 
   def __init__(self, keep: int | None = None):
@@ -78,11 +77,7 @@ class Buffers:
     need = round_up(max(nbytes, 1))
     with self._lock:
       fits = [i for i, b in enumerate(self._free) if need <= b.size <= 2 * need]
-      if fits:
-        buf = self._free.pop(min(fits, key=lambda i: self._free[i].size))
-      else:
-        buf = None
-        self._free = [b for b in self._free if not need // 2 <= b.size < need]
+      buf = self._free.pop(min(fits, key=lambda i: self._free[i].size)) if fits else None
     buf = aligned_buffer(need) if buf is None else buf
     with self._lock:
       self._in_use += buf.size
