@@ -375,3 +375,27 @@ def test_reads_keep_one_buffer_per_read_ahead_not_one_per_unit_size(tmp_path):
   # One buffer, the largest unit state's (the planner's figure, up to each leaf's
   # rounding to whole pages), where one of each size held nearly three times it.
   assert planned <= held <= planned + 4 * disk.PAGE
+
+
+@pytest.mark.parametrize("name, kw", [
+    ("fused_adamw", {}),
+    ("fused_adamw", {"grad_accum": 2, "state_in_flight": 1}),
+    ("split_clip", {}),
+], ids=["fused_adamw", "grad_accum2_depth1", "split_clip"])
+def test_units_stream_through_the_update_a_piece_at_a_time(tmp_path, name, kw):
+  # Pieces of 512 elements: each block's state (about 9k elements) streams through
+  # its update in 18 pieces, and the bits are still the host tier's.
+  kw = {"host_chunk": 256, **kw}
+  want_losses, want, _ = _run(mt.EngineConfig(stream_copy="keep", **kw), OPTIMIZERS[name])
+  losses, got, st = _run(_disk(tmp_path, state_piece_mb=512 * 4 / 2**20, **kw),
+                         OPTIMIZERS[name])
+  assert losses == want_losses
+  assert _same(got, want)
+  # RAM held at most the pieces in flight: a wave updating, the next one read and the
+  # written ones behind: 3 x state_in_flight pieces of 3 arrays, each piece 512
+  # elements and at most a chunk more (`part_bounds`); never a block's whole state.
+  depth, piece = kw.get("state_in_flight", 2), 3 * 4 * (512 + 256)
+  assert 0 < st["disk"]["piece_peak_bytes"] <= 3 * depth * (piece + 64)  # + counts
+  assert st["disk"]["piece_peak_bytes"] < 3 * 4 * CFG.block_param_count() / 2
+  assert st["disk"]["read_misses"] == st["first"]["disk"]["read_misses"]
+  assert st["disk"]["write_bytes"] == (len(BATCHES) + 1) * st["disk"]["file_bytes"]

@@ -121,7 +121,9 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   updater = resolution.make(transport.host_device, ec.host_threads, ec.host_chunk)
   if ec.state_tier == "disk":
     store = DiskStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name,
-                      ec.state_dir, depth=ec.state_in_flight)
+                      ec.state_dir, depth=ec.state_in_flight,
+                      piece=max(1, int(ec.state_piece_mb * 2**20) // 4),
+                      copy_dtype=ec.compute_dtype)
   else:
     store = HostStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name)
   host_opt = HostOptimizer(store, updater, jnp.dtype(ec.compute_dtype),

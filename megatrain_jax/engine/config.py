@@ -167,7 +167,12 @@ class EngineConfig:
       "(several, comma-separated, to stripe over drives). Each run needs its own.")
   state_in_flight: int = _field(
       2, "With state_tier=disk: units whose state is read ahead of their update, and "
-      "units written behind, at most.", low=1)
+      "units written behind, at most; with the fused AdamW, pieces (state_piece_mb) "
+      "read ahead, updated at once and written behind.", low=1)
+  state_piece_mb: float = _field(
+      4.0, "With state_tier=disk and the fused AdamW: MiB of fp32 master in a piece of "
+      "a unit, about (a whole number of host_chunk); each unit's state streams from "
+      "its file through the update and back a piece at a time.", low=1e-3)
   step_start_buffers: int = _field(
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "

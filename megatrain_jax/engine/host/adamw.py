@@ -105,3 +105,27 @@ def chunked_adamw_update(h: AdamWHyper, lo: int, chunk: int,
     return part, (adam._replace(count=s.count, mu=mu, nu=nu), decay, lr_state), ss
 
   return update
+
+
+def piece_adamw_update(h: AdamWHyper, size: int, chunk: int,
+                       max_norm: float | None = None) -> Callable:
+  """The fused AdamW update of one piece of `size` elements at a traced offset: one
+  compiled program serves every piece of that size (the disk tier's updates).
+
+  Args:
+    h: AdamW's hyperparameters.
+    size: the piece's elements.
+    chunk: elements per step of the loop.
+    max_norm: the clip of clipped mode (None: no clip).
+
+  Returns:
+    `update(part, state, grad, acc, norm, lo)`: `chunked_adamw_update`'s, for the
+    piece starting at element `lo` (an int32 scalar) of its unit, bit for bit.
+  """
+  inner = chunked_adamw_update(h, 0, chunk, max_norm)
+
+  def update(part, state, grad, acc, norm, lo):
+    at = lambda x: None if x is None else jax.lax.dynamic_slice(x, (lo,), (size,))
+    return inner(part, state, at(grad), at(acc), norm)
+
+  return update

@@ -1,17 +1,18 @@
 """Unit state files: each unit's fp32 master and optimizer state in one file on disk.
 
-A file is a header page, then the unit's arrays, each starting on a page boundary:
+A file is its header pages, then the unit's arrays, each starting on a page boundary:
 
-  page 0   magic, format version, the run's token, the unit, the write's generation,
-           the data's length, and the CRC-32 of its first leaves (the master) and
-           of all of it
-  page 1.. the master's parts, then each part's optimizer state leaves
+  header   magic, format version, the run's token, the unit, the write's generation,
+           the data's length, the number of arrays, and the CRC-32 of each array
+  data     the master's parts, then each part's optimizer state leaves
 
-The header is written after the data, so a write that did not finish (the process
-killed, the disk full) leaves a header that does not match: a read checks the
-magic, the token (a file of another run is never taken for this one's), the unit,
-the generation (a lost write is never taken for the current state), the file's size
-and the CRC of the data, and names the path when any of them is wrong.
+An update may rewrite some arrays (a piece of the unit: `write_leaves`) and then the
+header that makes them valid (`commit`), or all of them (`write`). The header is
+written after the data, so a write that did not finish (the process killed, the disk
+full) leaves a header that does not match: a read checks the magic, the token (a
+file of another run is never taken for this one's), the unit, the generation (a
+lost write is never taken for the current state), the file's size and the CRC of
+every array it reads, and names the path when any of them is wrong.
 
 I/O is direct (`O_DIRECT`) where the file system allows it, so the page cache
 neither serves a read falsely fast nor hides the RAM a read or write uses; data
@@ -33,9 +34,9 @@ import numpy as np
 
 PAGE = 4096
 MAGIC = b"MTJXUNIT"
-VERSION = 1
-# magic, version, token, unit, generation, data bytes, head bytes, head crc, crc
-_HEADER = struct.Struct("<8sI16sqqqqII")
+VERSION = 2
+# magic, version, token, unit, generation, data bytes, arrays; then a CRC-32 per array
+_HEADER = struct.Struct("<8sI16sqqqq")
 CHUNK = 8 << 20  # bytes per read or write call
 FILE_PATTERN = "unit_{:05d}.mtstate"
 
@@ -115,26 +116,18 @@ class FileLayout(NamedTuple):
     return cls(tuple(leaves), at)
 
   @property
+  def header_bytes(self) -> int:
+    """The header's size: whole pages, with room for a CRC per array."""
+    return round_up(_HEADER.size + 4 * len(self.leaves))
+
+  @property
   def file_bytes(self) -> int:
-    """The file's size: the header page and the data."""
-    return PAGE + self.data_bytes
-
-  def views(self, data: np.ndarray) -> list[np.ndarray]:
-    """The arrays, as views of a buffer holding the data.
-
-    Args:
-      data: the data bytes (uint8).
-
-    Returns:
-      One array per leaf, sharing `data`'s memory.
-    """
-    return [np.frombuffer(data, leaf.dtype, int(np.prod(leaf.shape, dtype=np.int64)),
-                          leaf.offset).reshape(leaf.shape)
-            for leaf in self.leaves if leaf.offset + leaf.nbytes <= data.size]
+    """The file's size: the header and the data."""
+    return self.header_bytes + self.data_bytes
 
 
 class UnitFile:
-  """One unit's state file: written whole, read whole, checked on every read."""
+  """One unit's state file: written whole or in pieces, checked on every read."""
 
   def __init__(self, path: str, unit: int, token: bytes, layout: FileLayout):
     """Opens (creating or truncating) the file, direct I/O where allowed.
@@ -163,102 +156,124 @@ class UnitFile:
       raise DiskStateError(e.errno, f"Cannot create the state file {path}: {e.strerror}. "
                            "state_dir must be a writable directory.") from e
 
-  def write(self, arrays: Sequence[np.ndarray], generation: int, bounce: np.ndarray,
-            head: int = 0) -> None:
-    """Writes the unit's arrays, then the header that makes them valid.
+  def write(self, arrays: Sequence[np.ndarray], generation: int,
+            bounce: np.ndarray) -> None:
+    """Writes all the unit's arrays, then the header that makes them valid.
 
     Args:
       arrays: one per leaf of the layout (any alignment; C-contiguous).
       generation: this write's number (a read expects it).
       bounce: a page-aligned buffer of whole pages the data passes through.
-      head: the first leaves a read may ask for alone (`read(head=...)`).
 
     Raises:
       DiskStateError: the write failed (the disk is full, or an I/O error).
     """
-    crc, at, fill = 0, PAGE, 0
-    head_bytes = sum(round_up(leaf.nbytes) for leaf in self.layout.leaves[:head])
-    head_crc = 0
+    crcs = self.write_leaves(dict(enumerate(arrays)), bounce)
+    self.commit(generation, [crcs[i] for i in range(len(arrays))])
 
-    def flush(n):
-      nonlocal crc, at
-      view = bounce[:n]
-      crc = zlib.crc32(view, crc)
-      self._pwrite(view, at)
-      at += n
+  def write_leaves(self, arrays: dict[int, np.ndarray], bounce: np.ndarray) -> dict[int, int]:
+    """Writes some of the unit's arrays in place; the file is valid again only once
+    `commit` has written the header with their CRCs.
 
-    for i, (leaf, a) in enumerate(zip(self.layout.leaves, arrays)):
-      if i == head:  # the head's CRC: the data's so far
-        if fill:
-          flush(fill)
-          fill = 0
-        head_crc = crc
+    Args:
+      arrays: leaf index -> its new array (any alignment; C-contiguous).
+      bounce: a page-aligned buffer of whole pages the data passes through.
+
+    Returns:
+      leaf index -> the CRC-32 of what was written.
+
+    Raises:
+      DiskStateError: the write failed (the disk is full, or an I/O error).
+    """
+    crcs = {}
+    for i, a in arrays.items():
+      leaf = self.layout.leaves[i]
       src = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-      pos, end = 0, round_up(leaf.nbytes)
+      crc, pos, end = 0, 0, round_up(leaf.nbytes)
       while pos < end:
-        n = min(end - pos, bounce.size - fill)
+        n = min(end - pos, bounce.size)
         real = max(0, min(n, src.size - pos))
-        bounce[fill:fill + real] = src[pos:pos + real]
-        bounce[fill + real:fill + n] = 0
-        fill, pos = fill + n, pos + n
-        if fill == bounce.size:
-          flush(fill)
-          fill = 0
-    if fill:
-      flush(fill)
-    if head >= len(arrays):
-      head_crc = crc
-    page = aligned_buffer(PAGE)
-    page[:_HEADER.size] = np.frombuffer(_HEADER.pack(
-        MAGIC, VERSION, self.token, self.unit, generation, self.layout.data_bytes,
-        head_bytes, head_crc, crc), np.uint8)
-    self._pwrite(page, 0)
+        bounce[:real] = src[pos:pos + real]
+        bounce[real:n] = 0
+        crc = zlib.crc32(bounce[:n], crc)
+        self._pwrite(bounce[:n], self.layout.header_bytes + leaf.offset + pos)
+        pos += n
+      crcs[i] = crc
+    return crcs
+
+  def commit(self, generation: int, crcs: Sequence[int]) -> None:
+    """Writes the header that makes the arrays now in the file valid.
+
+    Args:
+      generation: this write's number (a read expects it).
+      crcs: the CRC-32 of every array, in layout order.
+
+    Raises:
+      DiskStateError: the write failed.
+    """
+    page = aligned_buffer(self.layout.header_bytes)
+    head = _HEADER.pack(MAGIC, VERSION, self.token, self.unit, generation,
+                        self.layout.data_bytes, len(crcs))
+    page[:len(head)] = np.frombuffer(head, np.uint8)
+    page[len(head):len(head) + 4 * len(crcs)] = np.asarray(crcs, "<u4").view(np.uint8)
+    self._pwrite(page[:self.layout.header_bytes], 0)
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
 
-  def read(self, generation: int, head: int | None = None,
+  def read(self, generation: int, leaves: Sequence[int] | None = None,
            buffer: np.ndarray | None = None) -> list[np.ndarray]:
-    """Reads the unit's arrays and checks them against the header.
+    """Reads some or all of the unit's arrays and checks them against the header.
 
     Args:
       generation: the write the caller expects to find.
-      head: read only the first leaves, as many as the write's `head` (None: all).
-      buffer: a page-aligned buffer to read into (None, or too small: a fresh one).
+      leaves: the indices of the arrays to read (None: all).
+      buffer: a page-aligned buffer to read into (None, or too small: a fresh one);
+        the arrays are laid out in it one after another, each on a page boundary.
 
     Returns:
-      The arrays, views of that buffer.
+      The arrays, in the order asked, views of that buffer.
 
     Raises:
       DiskStateError: the file is short, of another run or unit, from another
-        write, or its data does not match its CRC.
+        write, or an array does not match its CRC.
     """
+    lay = self.layout
     size = os.fstat(self.fd).st_size
-    if size != self.layout.file_bytes:
-      self._bad(f"it has {size} bytes where the state takes {self.layout.file_bytes} "
+    if size != lay.file_bytes:
+      self._bad(f"it has {size} bytes where the state takes {lay.file_bytes} "
                 "(truncated or replaced)")
-    page = aligned_buffer(PAGE)
+    page = aligned_buffer(lay.header_bytes)
     self._pread(page, 0)
-    magic, version, token, unit, gen, nbytes, head_bytes, head_crc, crc = _HEADER.unpack(
+    magic, version, token, unit, gen, nbytes, count = _HEADER.unpack(
         page[:_HEADER.size].tobytes())
     if magic != MAGIC or version != VERSION:
       self._bad("it does not start with a unit state header")
     if token != self.token:
       self._bad("it was written by another run (stale)")
-    if unit != self.unit or nbytes != self.layout.data_bytes:
+    if unit != self.unit or nbytes != lay.data_bytes or count != len(lay.leaves):
       self._bad(f"it holds unit {unit} ({nbytes} bytes), not unit {self.unit}")
     if gen != generation:
       self._bad(f"it holds write {gen} of this unit's state, not write {generation} "
                 "(a write was lost)")
-    size = self.layout.data_bytes if head is None else head_bytes
-    data = buffer if buffer is not None and buffer.size >= size else aligned_buffer(size)
-    for at in range(0, size, CHUNK):
-      self._pread(data[at:min(at + CHUNK, size)], PAGE + at)
-    if zlib.crc32(data[:size]) != (crc if head is None else head_crc):
-      self._bad("its data does not match its checksum (modified or corrupted)")
+    crcs = page[_HEADER.size:_HEADER.size + 4 * count].view("<u4")
+    which = range(len(lay.leaves)) if leaves is None else leaves
+    sizes = [round_up(lay.leaves[i].nbytes) for i in which]
+    total = sum(sizes)
+    data = buffer if buffer is not None and buffer.size >= total else aligned_buffer(total)
+    out, at = [], 0
+    for i, n in zip(which, sizes):
+      leaf = lay.leaves[i]
+      for pos in range(0, n, CHUNK):
+        self._pread(data[at + pos:at + min(pos + CHUNK, n)],
+                    lay.header_bytes + leaf.offset + pos)
+      if zlib.crc32(data[at:at + n]) != crcs[i]:
+        self._bad("its data does not match its checksum (modified or corrupted)")
+      count = int(np.prod(leaf.shape, dtype=np.int64))
+      out.append(np.frombuffer(data, leaf.dtype, count, at).reshape(leaf.shape))
+      at += n
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    views = self.layout.views(data)
-    return views if head is None else views[:head]
+    return out
 
   def _bad(self, why: str):
     raise DiskStateError(errno.EIO, f"The state file {self.path} of unit {self.unit} cannot "

@@ -23,19 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, UnitFile
-from megatrain_jax.engine.host.disk_support import Buffers, Busy, check_space, lock_dir, \
-    remove_files, state_dirs
+from megatrain_jax.engine.host.disk_pieces import PieceUpdates
+from megatrain_jax.engine.host.disk_support import Buffers, Busy, UpdateOrder, check_space, \
+    lock_dir, remove_files, state_dirs
 from megatrain_jax.engine.host.flat import FlatSpec, split_master
 from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
 
-class DiskStore(HostStore):
+class DiskStore(PieceUpdates, HostStore):
   """Every unit's master and optimizer state in its own file, `depth` units in RAM."""
   tier = "disk"
 
   def __init__(self, updater: UnitUpdater, specs: Sequence[FlatSpec], masters: Iterable[Any],
                host_device: jax.Device, frozen_dtype, state_dir: str | Sequence[str],
-               depth: int = 2, io_threads: int = 4):
+               depth: int = 2, io_threads: int = 4, piece: int | None = None,
+               copy_dtype=jnp.float32):
     """Writes every unit's initial state to its file, one unit in RAM at a time.
 
     Args:
@@ -46,13 +48,17 @@ class DiskStore(HostStore):
       host_device: the CPU device.
       frozen_dtype: the dtype frozen elements are kept in (in RAM).
       state_dir: the directories (`state_dirs`).
-      depth: units read ahead, and units written behind, at most.
+      depth: units read ahead, and units written behind, at most (pieces, with an
+        updater that updates pieces: `disk_pieces`).
       io_threads: threads reading and writing.
+      piece: with such an updater, the most elements of a piece (None: its parts).
+      copy_dtype: the streaming copies' dtype.
 
     Raises:
       DiskStateError: a directory is missing, read-only, too small or in use.
     """
     self._layout(updater, specs, host_device)
+    self.bounds = [updater.bounds(s.train_size, piece) for s in self.specs]
     self.depth, self.dirs = depth, state_dirs(state_dir)
     n = len(self.specs)
     self._templates = [self._template(u) for u in range(n)]
@@ -76,9 +82,8 @@ class DiskStore(HostStore):
     # Reads keep one buffer per read ahead at once; writes their small bounce buffers.
     self._buffers, self._bounce = Buffers(keep=depth), Buffers()
     self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk")
-    self._order = list(range(n - 1, -1, -1))  # updates come head first
-    self._seen: list[int] = []
-    self._n_trained = sum(1 for t in self.trained if t.size)
+    self._init_pieces(depth, copy_dtype)
+    self.order = UpdateOrder(n, sum(1 for t in self.trained if t.size))
     self._failed: BaseException | None = None
     self.misses, self.read_bytes, self.write_bytes = 0, 0, 0
     self.busy = {"read": Busy(), "write": Busy(), "any": Busy()}
@@ -137,7 +142,7 @@ class DiskStore(HostStore):
   def _write(self, u: int, st: UnitState, gen: int) -> None:
     arrays = [np.asarray(x) for x in self._leaves(st)]
     with self._bounce(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
-      self._files[u].write(arrays, gen, bounce, head=len(st.master))
+      self._files[u].write(arrays, gen, bounce)
 
   def _file(self, u: int) -> UnitFile:
     if not self._finalizer.alive:
@@ -162,18 +167,6 @@ class DiskStore(HostStore):
             and self.trained[u].size):
           self._reads[u] = self._pool.submit(self._read, u, self._gen[u])
 
-  def _learn(self) -> None:
-    self._order = self._seen + [v for v in self._order if v not in self._seen]
-    self._seen = []
-
-  def _next(self, u: int) -> list[int]:
-    """The `depth` units whose updates follow `u`'s (cyclically: the next step's)."""
-    order = self._order
-    if u not in order:
-      return []
-    i = order.index(u)
-    return [order[(i + k) % len(order)] for k in range(1, self.depth + 1)]
-
   # -- the update path -----------------------------------------------------------
 
   def take(self, u):
@@ -191,11 +184,7 @@ class DiskStore(HostStore):
     self._donating([u])
     with self._cv:
       self._check_writes()
-      if u in self._seen:  # a step that did not update every unit (one was refused)
-        self._learn()
-      self._seen.append(u)
-      if len(self._seen) == self._n_trained:  # the step's order: the next one's too
-        self._learn()
+      self.order.begin(u)
       self._taken.add(u)
       write, read = self._writes.get(u), self._reads.pop(u, None)
     if write is not None:
@@ -210,7 +199,7 @@ class DiskStore(HostStore):
         st = self._read(u)
     with self._cv:
       self._ready.pop(u, None)
-    self._read_ahead(self._next(u))
+    self._read_ahead(self.order.after(u)[:self.depth])
     return st
 
   def put(self, u, st):
@@ -253,8 +242,7 @@ class DiskStore(HostStore):
       self._cv.notify_all()
 
   def _upcoming(self) -> set[int]:
-    last = self._seen[-1] if self._seen else None
-    return set(self._next(last)) if last is not None else set(self._order[:self.depth])
+    return set(self.order.upcoming()[:self.depth])
 
   def _check_writes(self) -> None:
     if self._failed is not None:
@@ -283,7 +271,10 @@ class DiskStore(HostStore):
       The host arrays.
     """
     with self._cv:
+      copies = self.piece_copies.pop(u, None)
       st = self._ready.get(u)
+      if copies is not None:  # cast piece by piece as the update went
+        return (*copies, *(() if self.frozen[u] is None else (self.frozen[u],)))
       if u in self._uncopied:  # the streaming copy of a put state: its last use in RAM
         self._uncopied.discard(u)
         if u not in self._writes and u not in self._upcoming():
@@ -301,7 +292,7 @@ class DiskStore(HostStore):
       write.result()
     k = len(self._templates[u].master)
     with self.busy["read"](), self.busy["any"]():
-      views = self._file(u).read(self._gen[u], head=k)
+      views = self._file(u).read(self._gen[u], leaves=range(k))
     with self._cv:
       self.read_bytes += sum(v.nbytes for v in views)
     return tuple(jnp.array(v, copy=True, device=self.sharding) for v in views)
@@ -321,6 +312,7 @@ class DiskStore(HostStore):
 
   def _set(self, u, st):
     self.flush()
+    self._drop_pieces(u)
     with self._cv:
       self._ready.pop(u, None)
       read = self._reads.pop(u, None)
@@ -345,7 +337,9 @@ class DiskStore(HostStore):
     """
     with self._cv:
       ram = list(self._ready.values())
-    return sum(x.nbytes for x in jax.tree.leaves([ram, self.shared]) if hasattr(x, "nbytes"))
+      held = self.piece_held
+    return held + sum(x.nbytes for x in jax.tree.leaves([ram, self.shared])
+                      if hasattr(x, "nbytes"))
 
   def disk_bytes(self) -> int:
     """Bytes of the state files.
@@ -362,14 +356,16 @@ class DiskStore(HostStore):
       "read_bytes", "write_bytes" (queued), "read_misses" (updates that waited for
       a read started then), "read_busy_s", "write_busy_s" and "busy_s" (wall time
       with at least one read, write, or either under way), "file_bytes", "dirs",
-      "read_buffer_bytes" (the read buffers, in use or kept for reuse).
+      "read_buffer_bytes" (the read buffers, in use or kept for reuse),
+      "piece_peak_bytes" (the most bytes of pieces in RAM at once: `disk_pieces`).
     """
     with self._cv:
       return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
               "read_misses": self.misses, "read_busy_s": self.busy["read"].seconds,
               "write_busy_s": self.busy["write"].seconds, "busy_s": self.busy["any"].seconds,
               "file_bytes": self.disk_bytes(), "dirs": list(self.dirs),
-              "read_buffer_bytes": self._buffers.held_bytes()}
+              "read_buffer_bytes": self._buffers.held_bytes(),
+              "piece_peak_bytes": self.piece_peak}
 
   def close(self) -> None:
     """Lets the pending writes finish, then removes the state files (a run's working
@@ -387,5 +383,7 @@ class DiskStore(HostStore):
       with self._cv:
         self._reads.clear()
         self._ready.clear()
+        self._piece_reads.clear()
+        self.piece_copies.clear()
       self._finalizer()
 

@@ -189,3 +189,56 @@ def remove_files(files: list[UnitFile], locks: list[int]) -> None:
     f.close(remove=True)
   for fd in locks:
     os.close(fd)
+
+
+class UpdateOrder:
+  """The order a step's unit updates come in, learned from the last step's, so the
+  disk tier reads each unit's state ahead of its update (the backward's order,
+  head first, before the first step)."""
+
+  def __init__(self, units: int, trained: int):
+    """Starts from the backward's order.
+
+    Args:
+      units: the units.
+      trained: how many of them train (a step updates each once).
+    """
+    self.order, self.seen, self.trained = list(range(units - 1, -1, -1)), [], trained
+
+  def _learn(self) -> None:
+    self.order = self.seen + [v for v in self.order if v not in self.seen]
+    self.seen = []
+
+  def begin(self, u: int) -> None:
+    """Notes that u's update begins.
+
+    Args:
+      u: the unit.
+    """
+    if u in self.seen:  # a step that did not update every unit (one was refused)
+      self._learn()
+    self.seen.append(u)
+    if len(self.seen) == self.trained:  # the step's order: the next one's too
+      self._learn()
+
+  def after(self, u: int) -> list[int]:
+    """The units whose updates follow u's.
+
+    Args:
+      u: the unit.
+
+    Returns:
+      Them, in order, cyclically (the next step's after the last).
+    """
+    if u not in self.order:
+      return []
+    i = self.order.index(u)
+    return [self.order[(i + k) % len(self.order)] for k in range(1, len(self.order))]
+
+  def upcoming(self) -> list[int]:
+    """The units whose updates come next.
+
+    Returns:
+      Them, in order: after the last update begun, or the step's first ones.
+    """
+    return self.after(self.seen[-1]) if self.seen else list(self.order)

@@ -106,8 +106,7 @@ class HostOptimizer:
       raise ValueError(f"The gradient of unit {u} has shape {tuple(grad.shape)}; its "
                        f"trained parameters have ({spec.size},).")
     acc = self.store.take_gradient(u)
-    st, self.sumsq[u] = self.updater.update(spec, self.store.take(u), grad, acc)
-    self.store.put(u, st)
+    self.sumsq[u] = self.store.update(u, self.updater, grad, acc)
     return self.stream_copy(u) if stream else None
 
   def update_all(self, stream: bool = True,

@@ -7,7 +7,7 @@ the arithmetic, as jitted host calls with the old buffers donated.
 
   FusedAdamW     `mt.optim.adamw`: optax's AdamW operations on each part of the
                  unit's flat master, in place, a cache-sized chunk at a time, one
-                 host thread per part (`host.adamw`).
+                 host thread per part (`host.adamw`); or piece by piece (disk tier).
   OptaxUnits     any transform that is element-wise (the probe proved it): optax on
                  each unit's parameter tree, one jitted call per unit.
   GlobalNormClip `mt.optim.clip_by_global_norm(max_norm, inner)`: the norm from every
@@ -28,51 +28,19 @@ from __future__ import annotations
 
 import abc
 import concurrent.futures
-from typing import Any, Callable, NamedTuple, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from megatrain_jax.engine.config import HOST_CHUNK
-from megatrain_jax.engine.host.adamw import chunked_adamw_update, host_threads, part_bounds
+from megatrain_jax.engine.host.adamw import chunked_adamw_update, host_threads, part_bounds, \
+    piece_adamw_update
 from megatrain_jax.engine.host.flat import FlatSpec
+from megatrain_jax.engine.host.unit_state import Jits, UnitState, Updated
 from megatrain_jax.optim import AdamW, ClipThen, clip_with_norm
-
-
-class UnitState(NamedTuple):
-  """A unit's trainable state, as an update reads and writes it.
-
-  Attributes:
-    master: the fp32 master of its trained elements, as consecutive parts.
-    opt: the optimizer state of each part (empty when the state is the whole tree's).
-  """
-  master: tuple[jax.Array, ...]
-  opt: tuple[Any, ...]
-
-
-class Updated(NamedTuple):
-  """What a unit's update gives.
-
-  Attributes:
-    state: the unit's new state.
-    sumsq: with an accumulated gradient (`acc`), the sum of squares of the summed
-      gradient it applied, before any clip (a host fp32 scalar); else None.
-  """
-  state: UnitState
-  sumsq: jax.Array | None
-
-
-class _Jits:
-  """Jitted functions by key, each made once."""
-
-  def __init__(self):
-    self._fns: dict[Any, Callable] = {}
-
-  def __call__(self, key, fn, **kw) -> Callable:
-    if key not in self._fns:
-      self._fns[key] = jax.jit(fn, **kw)
-    return self._fns[key]
 
 
 class UnitUpdater(abc.ABC):
@@ -82,14 +50,17 @@ class UnitUpdater(abc.ABC):
     mode: "per_unit", "clipped" or "whole_tree" (`stats()["optimizer_mode"]`).
     fused: whether it is the fused AdamW (`stats()["fused_optimizer"]`).
     deferred: its updates wait for every gradient of the step.
+    pieces: it updates a unit a piece at a time, each on its own (`update_pieces`),
+      so a store may stream the state through it.
   """
   mode = "per_unit"
   fused = False
   deferred = False
+  pieces = False
 
   def __init__(self, host: jax.sharding.Sharding):
     self.host = host
-    self.jit = _Jits()
+    self.jit = Jits()
 
   def describe(self) -> str:
     """What the log says of it beyond its mode.
@@ -99,16 +70,37 @@ class UnitUpdater(abc.ABC):
     """
     return ""
 
-  def bounds(self, size: int) -> list[tuple[int, int]]:
+  def bounds(self, size: int, piece: int | None = None) -> list[tuple[int, int]]:
     """How a master of `size` elements splits into parts.
 
     Args:
       size: its trained elements.
+      piece: with `pieces`, the most elements a part may have (None: no limit).
 
     Returns:
       [lo, hi) of each part (one part unless overridden).
     """
     return [(0, size)]
+
+  def update_pieces(self, spec: FlatSpec, pieces: Sequence[tuple[int, Any, Any]],
+                    grad: jax.Array, acc: jax.Array | None,
+                    norm: jax.Array | None = None) -> list[tuple[Any, Any, jax.Array]]:
+    """Some parts of a unit's next state, each on its own (with `pieces`).
+
+    Args:
+      spec: the layout of its trained elements.
+      pieces: (first element, master part, its optimizer state) of each, donated.
+      grad: the unit's whole gradient, as `update`'s.
+      acc: its accumulated gradient, or None.
+      norm: the global gradient norm to clip by, or None.
+
+    Returns:
+      (new master part, new state, its gradient's sum of squares) of each.
+
+    Raises:
+      NotImplementedError: an updater of whole units.
+    """
+    raise NotImplementedError(f"{type(self).__name__} updates whole units.")
 
   @abc.abstractmethod
   def init(self, spec: FlatSpec, master: tuple[jax.Array, ...]) -> tuple[Any, ...]:
@@ -168,7 +160,7 @@ class UnitUpdater(abc.ABC):
       sumsq = None
       if g is not None:  # the accumulated gradient, passed whole: its sum apart
         sumsq = sums[u] if sums is not None else _sumsq(self.jit, g)
-        store.put(u, self.update(store.trained[u], store.take(u), g, None, norm).state)
+        store.update(u, self, g, None, norm)
       on_unit(u, sumsq)
 
   def close(self) -> None:
@@ -178,6 +170,7 @@ class UnitUpdater(abc.ABC):
 class FusedAdamW(UnitUpdater):
   """`mt.optim.adamw` on flat parts, in place, one host thread per part."""
   fused = True
+  pieces = True
 
   def __init__(self, host, hyper, threads: int | None = None, chunk: int = HOST_CHUNK,
                max_norm: float | None = None):
@@ -220,30 +213,37 @@ class FusedAdamW(UnitUpdater):
   def describe(self):
     return f" (fused AdamW on {self.threads} threads)"
 
-  def bounds(self, size):
-    return part_bounds(size, self.threads, self.chunk)
+  def bounds(self, size, piece=None):
+    parts = self.threads if piece is None else max(self.threads, -(-size // piece))
+    return part_bounds(size, parts, self.chunk)
 
   def init(self, spec, master):
     init = self.jit("init", self._tx.init, out_shardings=self.host)
     return tuple(init(p) for p in master)
 
   def update(self, spec, st, grad, acc, norm=None):
-    fns = [self.jit(("part", spec.train_size, p.shape[0], lo),
-                    chunked_adamw_update(self.hyper, lo, self.chunk, max_norm=self.max_norm),
-                    donate_argnums=(0, 1))
-           for p, (lo, _) in zip(st.master, self.bounds(spec.train_size))]
-
-    def run(j):
-      return jax.block_until_ready(fns[j](st.master[j], st.opt[j], grad, acc, norm))
-
-    if len(fns) == 1:
-      results = [run(0)]
-    else:
-      if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "megatrain-adamw")
-      results = list(self._pool.map(run, range(len(fns))))
+    los = np.cumsum([0] + [p.shape[0] for p in st.master[:-1]])  # the parts' offsets
+    fns = [self.jit(("part", spec.train_size, p.shape[0], int(lo)),
+                    chunked_adamw_update(self.hyper, int(lo), self.chunk, self.max_norm),
+                    donate_argnums=(0, 1)) for p, lo in zip(st.master, los)]
+    results = self._map(lambda j: fns[j](st.master[j], st.opt[j], grad, acc, norm), range(len(fns)))
     return Updated(UnitState(tuple(r[0] for r in results), tuple(r[1] for r in results)),
                    None if acc is None else sum(r[2] for r in results))
+
+  def update_pieces(self, spec, pieces, grad, acc, norm=None):
+    def run(piece):
+      lo, master, opt = piece
+      fn = self.jit(("piece", spec.train_size, master.shape[0]),
+                    piece_adamw_update(self.hyper, master.shape[0], self.chunk, self.max_norm),
+                    donate_argnums=(0, 1))
+      return fn(master, opt, grad, acc, norm, np.int32(lo))
+    return self._map(run, pieces)
+
+  def _map(self, fn, items) -> list:  # fn of each item, on the part threads, awaited
+    run, items = lambda x: jax.block_until_ready(fn(x)), list(items)
+    if len(items) > 1 and self._pool is None:
+      self._pool = concurrent.futures.ThreadPoolExecutor(self.threads, "megatrain-adamw")
+    return [run(items[0])] if len(items) == 1 else list(self._pool.map(run, items))
 
   def close(self):
     if self._pool is not None:
@@ -305,7 +305,7 @@ class GlobalNormClip(UnitUpdater):
     """
     super().__init__(inner.host)
     self.inner = inner
-    self.fused = inner.fused
+    self.fused, self.pieces = inner.fused, inner.pieces
 
   @classmethod
   def accepts(cls, optimizer) -> bool:
@@ -322,14 +322,17 @@ class GlobalNormClip(UnitUpdater):
   def describe(self):
     return self.inner.describe()
 
-  def bounds(self, size):
-    return self.inner.bounds(size)
+  def bounds(self, size, piece=None):
+    return self.inner.bounds(size, piece)
 
   def init(self, spec, master):
     return self.inner.init(spec, master)
 
   def update(self, spec, st, grad, acc, norm=None):
     return self.inner.update(spec, st, grad, acc, norm)
+
+  def update_pieces(self, spec, pieces, grad, acc, norm=None):
+    return self.inner.update_pieces(spec, pieces, grad, acc, norm)
 
   def sweep(self, store, grads, on_unit):
     sums = [None if g is None else _sumsq(self.jit, g) for g in grads]
@@ -391,6 +394,6 @@ class WholeTree(UnitUpdater):
       on_unit(u, None if g is None else _sumsq(self.jit, g))
 
 
-def _sumsq(jit: _Jits, g: jax.Array) -> jax.Array:
+def _sumsq(jit: Jits, g: jax.Array) -> jax.Array:
   """A gradient's sum of squares, as one jitted host call."""
   return jit("sumsq", lambda a: jnp.sum(jnp.square(a)))(g)

@@ -1,0 +1,194 @@
+"""The disk tier's update a piece at a time: a unit's state streams from its file
+through the update and back, so RAM holds a few pieces, never whole units.
+
+With an updater that updates each part of a unit on its own (`UnitUpdater.pieces`,
+the fused AdamW), a unit's master is cut into pieces of at most
+`EngineConfig.state_piece_mb` MiB (each a part with its own optimizer state, and its
+own arrays in the unit's file). A unit's update then reads its pieces, `ahead` at a
+time ahead of the ones being updated; updates them `ahead` at a time, on the
+updater's threads; casts each new master piece to the compute dtype (the unit's
+streaming copy is joined from them); and writes each back in place, at most `ahead`
+behind. When every piece is written, the file's header takes their checksums and the
+new generation (`UnitFile.commit`). Once a unit is done, the first pieces of the next
+units in the order the updates come in are read ahead, while the backward goes on.
+docs/engine.md, "The disk tier", says what this holds in RAM and what it costs.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from megatrain_jax.engine.host.disk import CHUNK, round_up
+
+
+class PieceUpdates:
+  """The piece-by-piece updates of `DiskStore` (a part of it: its lock, pool, files
+  and read buffers are theirs too)."""
+
+  def _init_pieces(self, ahead: int, copy_dtype) -> None:
+    """Sets up the piece state.
+
+    Args:
+      ahead: pieces read ahead, updated at once, and written behind, at most each.
+      copy_dtype: the streaming copies' dtype (each new piece is cast to it).
+    """
+    self._piece_ahead = ahead
+    self._piece_reads: dict[tuple[int, int], concurrent.futures.Future] = {}
+    self.piece_copies: dict[int, list[jax.Array]] = {}  # unit -> its new copy, in pieces
+    self.piece_held = self.piece_peak = 0  # bytes of pieces in RAM (read, not yet written)
+    cd = jnp.dtype(copy_dtype)
+    self._piece_cast = jax.jit(lambda x: x.astype(cd))
+
+  def update(self, u, updater, grad, acc, norm=None):
+    """A unit's update (as `StateStore.update`): a piece at a time when `updater`
+    updates pieces, else the whole unit taken and put back.
+
+    Args:
+      u: the unit.
+      updater: the update.
+      grad: its gradient of the last micro-batch.
+      acc: its accumulated gradient, or None.
+      norm: the global norm to clip by, or None.
+
+    Returns:
+      With `acc`, the summed gradient's sum of squares; else None.
+
+    Raises:
+      DiskStateError: a read or write failed, or a file is damaged.
+    """
+    if not updater.pieces:
+      return super().update(u, updater, grad, acc, norm)
+    return self._update_pieces(u, updater, grad, acc, norm)
+
+  def _piece_leaves(self, u: int, j: int) -> list[int]:
+    """The file's leaves of piece j of unit u: its master part, then its state."""
+    t = self._templates[u]
+    n = len(jax.tree.leaves(t.opt[0])) if t.opt else 0
+    return [j] + [len(t.master) + j * n + i for i in range(n)]
+
+  def _piece_hold(self, nbytes: int) -> None:
+    with self._cv:
+      self.piece_held += nbytes
+      self.piece_peak = max(self.piece_peak, self.piece_held)
+
+  def _read_piece(self, u: int, j: int, gen: int) -> tuple[Any, Any]:
+    """Piece j of unit u as of write `gen`: its master part and state, as arrays the
+    update owns (copied out of the read buffer)."""
+    leaves = self._piece_leaves(u, j)
+    lay = [self.layouts[u].leaves[i] for i in leaves]
+    nbytes = sum(leaf.nbytes for leaf in lay)
+    with self._buffers(sum(round_up(leaf.nbytes) for leaf in lay)) as buf:
+      with self.busy["read"](), self.busy["any"]():
+        arrays = self._file(u).read(gen, leaves=leaves, buffer=buf)
+      put = lambda a: jnp.array(a, copy=True, device=self.sharding)
+      treedef = jax.tree.structure(self._templates[u].opt[j])
+      piece = jax.block_until_ready((put(arrays[0]), treedef.unflatten(
+          [put(a) for a in arrays[1:]])))
+    with self._cv:
+      self.read_bytes += nbytes
+    self._piece_hold(nbytes)
+    return piece
+
+  def _write_piece(self, u: int, j: int, master, opt) -> dict[int, int]:
+    arrays = [master, *jax.tree.leaves(opt)]
+    with self._bounce(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
+      crcs = self._file(u).write_leaves(
+          {i: np.asarray(a) for i, a in zip(self._piece_leaves(u, j), arrays)}, bounce)
+    self._piece_hold(-sum(x.nbytes for x in arrays))
+    return crcs
+
+  def _read_pieces_ahead(self, units) -> None:
+    """Starts reading the first pieces of these units, `ahead` pieces in all (with
+    those already on their way). Called with the store's lock held.
+
+    Args:
+      units: the units, in the order their updates come.
+    """
+    budget = self._piece_ahead - len(self._piece_reads)
+    for u in units:
+      if budget <= 0 or u in self._taken or u in self._ready or not self.trained[u].size:
+        continue
+      for j in range(min(budget, len(self.bounds[u]))):
+        if (u, j) not in self._piece_reads:
+          self._piece_reads[(u, j)] = self._pool.submit(self._read_piece, u, j, self._gen[u])
+          budget -= 1
+
+  def _drop_pieces(self, u: int) -> None:
+    """Forgets the pieces of a unit read ahead (its file is about to change).
+
+    Args:
+      u: the unit.
+    """
+    with self._cv:
+      futs = [self._piece_reads.pop(k) for k in [k for k in self._piece_reads if k[0] == u]]
+    for f in futs:
+      if f.exception() is None:
+        self._piece_hold(-sum(x.nbytes for x in jax.tree.leaves(f.result())))
+
+  def _update_pieces(self, u: int, updater, grad, acc, norm):
+    spec, bounds, ahead = self.trained[u], self.bounds[u], self._piece_ahead
+    self._donating([u])
+    with self._cv:
+      self._check_writes()
+      self.order.begin(u)
+      self._taken.add(u)
+      write, whole, pre = self._writes.get(u), self._reads.pop(u, None), self._ready.pop(u, None)
+      reads = {j: self._piece_reads.pop((u, j)) for j in range(len(bounds))
+               if (u, j) in self._piece_reads}
+      gen = self._gen[u]
+      if 0 not in reads and whole is None and pre is None:
+        self.misses += 1  # not read ahead: the update waits for its first read
+    if write is not None:
+      write.result()
+    pre = whole.result() if whole is not None else pre  # a whole state in RAM already
+    if pre is not None:
+      self._piece_hold(sum(x.nbytes for x in jax.tree.leaves(pre)))
+
+    def read(j):
+      if pre is None and j < len(bounds) and j not in reads:
+        reads[j] = self._pool.submit(self._read_piece, u, j, gen)
+
+    def get(j):
+      if pre is not None:
+        return pre.master[j], pre.opt[j]
+      read(j)
+      return reads.pop(j).result()
+
+    writes, copies, sums = [], [], []
+    try:
+      for w0 in range(0, len(bounds), ahead):
+        wave = range(w0, min(len(bounds), w0 + ahead))
+        for j in range(wave.stop, wave.stop + ahead):  # the next wave, read meanwhile
+          read(j)
+        out = updater.update_pieces(spec, [(bounds[j][0], *get(j)) for j in wave],
+                                    grad, acc, norm)
+        for j, (master, opt, ss) in zip(wave, out):
+          copies.append(self._piece_cast(master))
+          sums.append(ss)
+          writes.append(self._pool.submit(self._write_piece, u, j, master, opt))
+        del out
+        while sum(not f.done() for f in writes) > ahead:  # bounded: the oldest first
+          next(f for f in writes if not f.done()).result()
+      crcs = {}
+      for f in writes:
+        crcs.update(f.result())
+      with self.busy["write"](), self.busy["any"]():
+        self._file(u).commit(gen + 1, [crcs[i] for i in range(len(crcs))])
+    finally:
+      concurrent.futures.wait(writes + list(reads.values()))
+      for f in reads.values():  # read for a wave that never ran
+        if f.exception() is None:
+          self._piece_hold(-sum(x.nbytes for x in jax.tree.leaves(f.result())))
+      with self._cv:
+        self._taken.discard(u)
+    with self._cv:
+      self._gen[u] = gen + 1
+      self.write_bytes += self.layouts[u].file_bytes
+      self.piece_copies[u] = copies
+      self._read_pieces_ahead(self.order.after(u))
+    return None if acc is None else sum(sums)
