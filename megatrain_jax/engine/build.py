@@ -122,7 +122,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   if ec.state_tier == "disk":
     store = DiskStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name,
                       ec.state_dir, depth=ec.state_in_flight,
-                      piece=max(1, int(ec.state_piece_mb * 2**20) // 4),
+                      piece=sizes.piece_elements(ec),
                       copy_dtype=ec.compute_dtype)
   else:
     store = HostStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name)

@@ -16,6 +16,7 @@ docs/engine.md, "The disk tier", says what this holds in RAM and what it costs.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from typing import Any
 
@@ -39,10 +40,12 @@ class PieceUpdates:
     """
     self._piece_ahead = ahead
     self._piece_reads: dict[tuple[int, int], concurrent.futures.Future] = {}
+    self._piece_writes: collections.deque = collections.deque()  # of every unit, in order
     self.piece_copies: dict[int, list[jax.Array]] = {}  # unit -> its new copy, in pieces
     self.piece_held = self.piece_peak = 0  # bytes of pieces in RAM (read, not yet written)
     cd = jnp.dtype(copy_dtype)
-    self._piece_cast = jax.jit(lambda x: x.astype(cd))
+    cast = jax.jit(lambda x: x.astype(cd))
+    self._piece_cast = lambda x: x if x.dtype == cd else cast(x)  # a new piece: no copy
 
   def update(self, u, updater, grad, acc, norm=None):
     """A unit's update (as `StateStore.update`): a piece at a time when `updater`
@@ -81,8 +84,8 @@ class PieceUpdates:
     update owns (copied out of the read buffer)."""
     leaves = self._piece_leaves(u, j)
     lay = [self.layouts[u].leaves[i] for i in leaves]
-    nbytes = sum(leaf.nbytes for leaf in lay)
-    with self._buffers(sum(round_up(leaf.nbytes) for leaf in lay)) as buf:
+    nbytes, padded = sum(leaf.nbytes for leaf in lay), sum(round_up(x.nbytes) for x in lay)
+    with self._buffers(padded) as buf:
       with self.busy["read"](), self.busy["any"]():
         arrays = self._file(u).read(gen, leaves=leaves, buffer=buf)
       put = lambda a: jnp.array(a, copy=True, device=self.sharding)
@@ -90,7 +93,7 @@ class PieceUpdates:
       piece = jax.block_until_ready((put(arrays[0]), treedef.unflatten(
           [put(a) for a in arrays[1:]])))
     with self._cv:
-      self.read_bytes += nbytes
+      self.read_bytes += padded + self.layouts[u].header_bytes  # as read: header each time
     self._piece_hold(nbytes)
     return piece
 
@@ -111,7 +114,8 @@ class PieceUpdates:
     """
     budget = self._piece_ahead - len(self._piece_reads)
     for u in units:
-      if budget <= 0 or u in self._taken or u in self._ready or not self.trained[u].size:
+      if (budget <= 0 or u in self._taken or u in self._ready or u in self._writes
+          or not self.trained[u].size):
         continue
       for j in range(min(budget, len(self.bounds[u]))):
         if (u, j) not in self._piece_reads:
@@ -171,24 +175,57 @@ class PieceUpdates:
           copies.append(self._piece_cast(master))
           sums.append(ss)
           writes.append(self._pool.submit(self._write_piece, u, j, master, opt))
+          self._piece_writes.append(writes[-1])
         del out
-        while sum(not f.done() for f in writes) > ahead:  # bounded: the oldest first
-          next(f for f in writes if not f.done()).result()
-      crcs = {}
-      for f in writes:
-        crcs.update(f.result())
-      with self.busy["write"](), self.busy["any"]():
-        self._file(u).commit(gen + 1, [crcs[i] for i in range(len(crcs))])
+        self._bound_piece_writes(ahead)
+    except BaseException:
+      concurrent.futures.wait(writes)
+      with self._cv:
+        self._taken.discard(u)
+      raise
     finally:
-      concurrent.futures.wait(writes + list(reads.values()))
+      concurrent.futures.wait(list(reads.values()))
       for f in reads.values():  # read for a wave that never ran
         if f.exception() is None:
           self._piece_hold(-sum(x.nbytes for x in jax.tree.leaves(f.result())))
-      with self._cv:
-        self._taken.discard(u)
+    # The header once every piece is written, by the thread that writes the last one;
+    # until then the unit's write is pending (`_writes`), as a whole unit's would be.
+    done = concurrent.futures.Future()
     with self._cv:
       self._gen[u] = gen + 1
       self.write_bytes += self.layouts[u].file_bytes
+      self._writes[u] = done
+      self._taken.discard(u)
       self.piece_copies[u] = copies
+    done.add_done_callback(lambda f: self._written(u, None, f))
+    left = [len(writes)]
+
+    def written(_):
+      with self._cv:
+        left[0] -= 1
+        if left[0]:
+          return
+      try:
+        crcs = {}
+        for f in writes:
+          crcs.update(f.result())
+        with self.busy["write"](), self.busy["any"]():
+          self._file(u).commit(gen + 1, [crcs[i] for i in range(len(crcs))])
+        done.set_result(None)
+      except BaseException as e:  # kept for the caller (`_check_writes`)
+        done.set_exception(e)
+
+    for f in writes:
+      f.add_done_callback(written)
+    with self._cv:
       self._read_pieces_ahead(self.order.after(u))
     return None if acc is None else sum(sums)
+
+  def _bound_piece_writes(self, most: int) -> None:
+    """Waits, oldest first, until at most `most` piece writes are under way."""
+    q = self._piece_writes
+    while q and q[0].done():
+      q.popleft()
+    while sum(not f.done() for f in q) > most:
+      q[0].result()
+      q.popleft()

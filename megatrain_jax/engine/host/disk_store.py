@@ -230,13 +230,13 @@ class DiskStore(PieceUpdates, HostStore):
       self._writes[u] = fut
     fut.add_done_callback(lambda f, u=u, st=st: self._written(u, st, f))
 
-  def _written(self, u: int, st: UnitState, fut) -> None:
+  def _written(self, u: int, st: UnitState | None, fut) -> None:
     with self._cv:
       if self._writes.get(u) is fut:
         del self._writes[u]
       if fut.exception() is not None:
         self._failed = self._failed or fut.exception()
-      elif (self._ready.get(u) is st and u not in self._upcoming()
+      elif (st is not None and self._ready.get(u) is st and u not in self._upcoming()
             and u not in self._uncopied):
         del self._ready[u]  # written, copied and not needed soon: out of RAM
       self._cv.notify_all()

@@ -133,10 +133,9 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     masters: fp32 parameters that train. frozen_params: the others, in
     `EngineConfig.frozen_dtype` (present when some are frozen). optimizer_state: the transform's state (from
     `optimizer.init` traced on the unit shapes). With `state_tier="disk"` (unless the
-    transform is whole-tree) both are 0 and state_in_flight counts the units' state
-    in RAM at once: `state_in_flight` read ahead, one updating, as many written behind
-    (the largest units' states, at most), and read_buffers the store's reused read
-    buffers, one for each read ahead at once (of the largest units' states' sizes).
+    transform is whole-tree) both are 0, and state_in_flight and read_buffers are
+    the units' state in RAM at once and the store's read buffers, in pieces with the
+    fused AdamW, else in whole units (`sizes.disk_state_in_ram`).
     gradient_buffers: fp32 accumulators of the whole model when updates wait for the
     sweep or grad_accum > 1, plus the gradients queued between the threads.
     pinned_copies: the compute-dtype copy of every unit plus one being replaced,
@@ -166,10 +165,8 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
   if ec.state_tier == "disk" and r.mode != "whole_tree":
     # On disk; in RAM only the units read ahead, in an update, and written behind.
     out["masters"] = out["optimizer_state"] = 0
-    per_unit = sorted((4 * t + s for t, s in zip(trained, states)), reverse=True)
-    out["state_in_flight"] = sum(per_unit[:2 * ec.state_in_flight + 1])
-    # The store keeps a read buffer for each read ahead at once, of the largest size.
-    out["read_buffers"] = sum(per_unit[:ec.state_in_flight])
+    out["state_in_flight"], out["read_buffers"] = sizes.disk_state_in_ram(
+        ec, trained, states, r.kind.pieces)
   if nt < n:
     out["frozen_params"] = (n - nt) * jnp.dtype(ec.frozen_dtype_name).itemsize
   if batch_size is not None:

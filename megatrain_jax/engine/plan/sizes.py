@@ -282,3 +282,41 @@ def step_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int, seq_len: int
   return StepBytes(tuple(unit), tuple(grad), tied if cfg.tie_embeddings else 0,
                    activation_bytes(cfg, ec, batch_size, seq_len),
                    layer_checkpoint_bytes(cfg, ec, batch_size, seq_len, packed))
+
+
+def piece_elements(ec: EngineConfig) -> int:
+  """The elements of a disk-tier piece, as asked (`EngineConfig.state_piece_mb`).
+
+  Args:
+    ec: the engine config.
+
+  Returns:
+    At least 1.
+  """
+  return max(1, int(ec.state_piece_mb * 2**20) // 4)
+
+
+def disk_state_in_ram(ec: EngineConfig, trained: list[int], states: list[int],
+                      pieces: bool) -> tuple[int, int]:
+  """Host bytes of the disk tier's unit states in RAM at once, and of its read buffers.
+
+  Args:
+    ec: the engine config (`state_in_flight`, `state_piece_mb`, `host_chunk`).
+    trained: each unit's trained elements.
+    states: each unit's optimizer state bytes.
+    pieces: whether updates stream the state in pieces (`host.disk_pieces`).
+
+  Returns:
+    (in flight, read buffers). In pieces: a wave of `state_in_flight` pieces
+    updating, the next one read, as many written behind, each piece at most a chunk
+    over its size (`part_bounds`), and a read buffer for each piece read at once.
+    Whole units: `state_in_flight` read ahead, one updating, as many written behind
+    (the largest units' states), and a read buffer for each read ahead.
+  """
+  depth = ec.state_in_flight
+  if pieces:
+    per_element = 4 + max(s / t for t, s in zip(trained, states) if t)
+    piece = min(max(trained), piece_elements(ec) + ec.host_chunk) * per_element
+    return int(3 * depth * piece), int(depth * piece)
+  per_unit = sorted((4 * t + s for t, s in zip(trained, states)), reverse=True)
+  return sum(per_unit[:2 * depth + 1]), sum(per_unit[:depth])
