@@ -364,7 +364,8 @@ def test_the_buffer_pool_reuses_the_largest_buffer_for_smaller_reads():
 def test_reads_keep_one_buffer_per_read_ahead_not_one_per_unit_size(tmp_path):
   from megatrain_jax.engine.plan import memory
   cfg = CFG.replace(vocab_size=320)  # the embedding's and head's states outsize a block's
-  ec = _disk(tmp_path, state_in_flight=1)
+  # One read at a time (one update thread: a piece per thread is read at once).
+  ec = _disk(tmp_path, state_in_flight=1, host_threads=1)
   tx = mt.optim.adamw(1e-2)
   with mt.StreamingTrainer(mt.Llama(cfg, rngs=nnx.Rngs(0)), tx, ec) as eng:
     for b in BATCHES[:3]:
@@ -372,20 +373,21 @@ def test_reads_keep_one_buffer_per_read_ahead_not_one_per_unit_size(tmp_path):
     eng.wait()
     held = eng.stats()["disk"]["read_buffer_bytes"]
   planned = memory.host_bytes(cfg, tx, ec)["read_buffers"]
-  # One buffer, the largest unit state's (the planner's figure, up to each leaf's
-  # rounding to whole pages), where one of each size held nearly three times it.
+  # One buffer, the largest unit state's (each unit here is one piece; the planner's
+  # figure, up to each leaf's rounding to whole pages), where one of each size held
+  # nearly three times it.
   assert planned <= held <= planned + 4 * disk.PAGE
 
 
 @pytest.mark.parametrize("name, kw", [
     ("fused_adamw", {}),
-    ("fused_adamw", {"grad_accum": 2, "state_in_flight": 1}),
+    ("fused_adamw", {"grad_accum": 2, "state_in_flight": 1, "host_threads": 1}),
     ("split_clip", {}),
 ], ids=["fused_adamw", "grad_accum2_depth1", "split_clip"])
 def test_units_stream_through_the_update_a_piece_at_a_time(tmp_path, name, kw):
   # Pieces of 512 elements: each block's state (about 9k elements) streams through
   # its update in 18 pieces, and the bits are still the host tier's.
-  kw = {"host_chunk": 256, **kw}
+  kw = {"host_chunk": 256, "host_threads": 2, "state_in_flight": 2, **kw}
   want_losses, want, _ = _run(mt.EngineConfig(stream_copy="keep", **kw), OPTIMIZERS[name])
   losses, got, st = _run(_disk(tmp_path, state_piece_mb=512 * 4 / 2**20, **kw),
                          OPTIMIZERS[name])
@@ -394,7 +396,7 @@ def test_units_stream_through_the_update_a_piece_at_a_time(tmp_path, name, kw):
   # RAM held at most the pieces in flight: a wave updating, the next one read and the
   # written ones behind: 3 x state_in_flight pieces of 3 arrays, each piece 512
   # elements and at most a chunk more (`part_bounds`); never a block's whole state.
-  depth, piece = kw.get("state_in_flight", 2), 3 * 4 * (512 + 256)
+  depth, piece = kw["state_in_flight"], 3 * 4 * (512 + 256)
   assert 0 < st["disk"]["piece_peak_bytes"] <= 3 * depth * (piece + 64)  # + counts
   assert st["disk"]["piece_peak_bytes"] < 3 * 4 * CFG.block_param_count() / 2
   assert st["disk"]["read_misses"] == st["first"]["disk"]["read_misses"]

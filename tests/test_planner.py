@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import jax
+import optax
 import pytest
 
 import megatrain_jax as mt
@@ -88,20 +89,21 @@ def test_largest_batch_is_the_edge_of_the_device():
 
 
 def test_largest_batch_is_the_edge_of_the_host_where_the_host_is_shorter():
-  # 70B with its state on the workstation's drives: the activation checkpoints that
-  # go to host memory grow with the batch, and the host runs out before the device.
-  cfg = mt.preset("70b")
+  # 70B with its state on the workstation's drives, updated a whole unit at a time
+  # (an Optax transform): the activation checkpoints that go to host memory grow with
+  # the batch, and the host runs out before the device.
+  cfg, tx = mt.preset("70b"), optax.adamw(1e-4)
   ec = mt.EngineConfig(compute_dtype="bfloat16", state_tier="disk", state_dir="drives",
                        state_in_flight=1)
   hw = planner.PROFILES["workstation"]
   device_only = planner.largest_batch(cfg, ec, hw.device_bytes, 4096)
-  b = planner.largest_batch(cfg, ec, hw.device_bytes, 4096, optimizer=ADAMW, hw=hw)
+  b = planner.largest_batch(cfg, ec, hw.device_bytes, 4096, optimizer=tx, hw=hw)
   assert 0 < b < device_only
-  at, over = (planner.plan(cfg, ADAMW, ec, hw, n, 4096) for n in (b, b + 1))
+  at, over = (planner.plan(cfg, tx, ec, hw, n, 4096) for n in (b, b + 1))
   assert at.fits and not over.fits and at.largest_batch == over.largest_batch == b
   assert over.host["total"] > hw.host_bytes >= at.host["total"]
   with pytest.raises(ValueError, match="both optimizer= and hw="):
-    planner.largest_batch(cfg, ec, hw.device_bytes, 4096, optimizer=ADAMW)
+    planner.largest_batch(cfg, ec, hw.device_bytes, 4096, optimizer=tx)
 
 
 def test_predicted_device_peak_matches_the_engine_on_this_machine():
@@ -268,23 +270,32 @@ def test_tpu_and_amd_profiles_follow_their_published_figures():
 def test_the_disk_tier_plan_moves_the_state_to_the_drives():
   cfg = mt.preset("7b")
   hw = planner.PROFILES["workstation"]
-  host_ec = mt.EngineConfig(compute_dtype="bfloat16")
+  host_ec = mt.EngineConfig(compute_dtype="bfloat16", host_threads=2)
   disk_ec = dataclasses.replace(host_ec, state_tier="disk", state_dir="drives")
   in_ram, on_disk = (planner.plan(cfg, ADAMW, ec, hw, 1, 2048) for ec in (host_ec, disk_ec))
   n = on_disk.params
-  # Masters and moments leave RAM for the files; in RAM stay the largest units' states
-  # in flight (2 read ahead, 1 updating, 2 written behind: here 5 blocks).
+  # Masters and moments leave RAM for the files. With the fused AdamW the state
+  # streams through the update in pieces: in RAM about 3 x 2 pieces of 8 MiB of master
+  # (a wave updating, the next read, one written behind; 12 bytes an element with
+  # the moments), and a read buffer for each piece read at once.
   assert in_ram.host["masters"] == 4 * n and on_disk.host["masters"] == 0
   assert on_disk.host["optimizer_state"] == 0
+  piece = 12 * (8 << 20) // 4
+  assert 6 * piece <= on_disk.host["state_in_flight"] <= 6 * piece * 1.2
+  assert 2 * piece <= on_disk.host["read_buffers"] <= 2 * piece * 1.2
+  # Any other transform updates whole units: the largest units' states in flight (2
+  # read ahead, 1 updating, 2 written behind: here 5 blocks), and a reused read
+  # buffer for each read ahead at once, of the largest unit state's size (here a
+  # block's), not one of each size.
+  tx = optax.adamw(1e-3)
+  whole = planner.plan(cfg, tx, disk_ec, hw, 1, 2048)
   block = sizes.unit_sizes(cfg)[1]
-  assert on_disk.host["state_in_flight"] == 5 * (12 * block + 4)  # moments' count
-  # And a reused read buffer for each read ahead at once, of the largest unit state's
-  # size (here a block's), not one of each size.
+  assert whole.host["state_in_flight"] == 5 * (12 * block + 4)  # moments' count
   units = sizes.unit_sizes(cfg)
   assert block == max(units) and len(set(units)) == 3
-  assert on_disk.host["read_buffers"] == 2 * (12 * block + 4)
+  assert whole.host["read_buffers"] == 2 * (12 * block + 4)
   one = dataclasses.replace(disk_ec, state_in_flight=1)
-  assert planner.plan(cfg, ADAMW, one, hw, 1, 2048).host["read_buffers"] == 12 * block + 4
+  assert planner.plan(cfg, tx, one, hw, 1, 2048).host["read_buffers"] == 12 * block + 4
   assert on_disk.disk_bytes == 12 * n and in_ram.disk_bytes == 0
   state = 12 * n  # read, then written, over 4 drives
   assert on_disk.times["disk"] == pytest.approx(

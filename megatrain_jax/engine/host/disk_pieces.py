@@ -35,7 +35,8 @@ class PieceUpdates:
     """Sets up the piece state.
 
     Args:
-      ahead: pieces read ahead, updated at once, and written behind, at most each.
+      ahead: pieces read ahead, updated at once, and written behind, at most each
+        (`state_in_flight`, and at least one per update thread).
       copy_dtype: the streaming copies' dtype (each new piece is cast to it).
     """
     self._piece_ahead = ahead

@@ -80,9 +80,10 @@ class DiskStore(PieceUpdates, HostStore):
     self._taken: set[int] = set()  # in an update: their files are about to be replaced
     self._uncopied: set[int] = set()  # put, their streaming copy not yet cast from RAM
     # Reads keep one buffer per read ahead at once; writes their small bounce buffers.
-    self._buffers, self._bounce = Buffers(keep=depth), Buffers()
+    ahead = max(depth, updater.threads) if updater.pieces else depth
+    self._buffers, self._bounce = Buffers(keep=ahead), Buffers()
     self._pool = concurrent.futures.ThreadPoolExecutor(io_threads, "megatrain-disk")
-    self._init_pieces(depth, copy_dtype)
+    self._init_pieces(ahead, copy_dtype)
     self.order = UpdateOrder(n, sum(1 for t in self.trained if t.size))
     self._failed: BaseException | None = None
     self.misses, self.read_bytes, self.write_bytes = 0, 0, 0

@@ -50,13 +50,14 @@ class UnitUpdater(abc.ABC):
     mode: "per_unit", "clipped" or "whole_tree" (`stats()["optimizer_mode"]`).
     fused: whether it is the fused AdamW (`stats()["fused_optimizer"]`).
     deferred: its updates wait for every gradient of the step.
-    pieces: it updates a unit a piece at a time, each on its own (`update_pieces`),
-      so a store may stream the state through it.
+    pieces: it updates each piece of a unit on its own (`update_pieces`).
+    threads: the host threads its updates run on.
   """
   mode = "per_unit"
   fused = False
   deferred = False
   pieces = False
+  threads = 1
 
   def __init__(self, host: jax.sharding.Sharding):
     self.host = host
@@ -305,7 +306,7 @@ class GlobalNormClip(UnitUpdater):
     """
     super().__init__(inner.host)
     self.inner = inner
-    self.fused, self.pieces = inner.fused, inner.pieces
+    self.fused, self.pieces, self.threads = inner.fused, inner.pieces, inner.threads
 
   @classmethod
   def accepts(cls, optimizer) -> bool:

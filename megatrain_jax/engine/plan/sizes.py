@@ -18,6 +18,7 @@ import jax.numpy as jnp
 
 from megatrain_jax.engine.config import EngineConfig
 from megatrain_jax.engine.device import residuals
+from megatrain_jax.engine.host.adamw import host_threads
 from megatrain_jax.engine.host.flat import FlatSpec
 from megatrain_jax.engine.platform import on_cpu_backend
 from megatrain_jax.models import llama
@@ -301,20 +302,23 @@ def disk_state_in_ram(ec: EngineConfig, trained: list[int], states: list[int],
   """Host bytes of the disk tier's unit states in RAM at once, and of its read buffers.
 
   Args:
-    ec: the engine config (`state_in_flight`, `state_piece_mb`, `host_chunk`).
+    ec: the engine config (`state_in_flight`, `state_piece_mb`, `host_chunk`,
+      `host_threads`: None counts this machine's).
     trained: each unit's trained elements.
     states: each unit's optimizer state bytes.
     pieces: whether updates stream the state in pieces (`host.disk_pieces`).
 
   Returns:
-    (in flight, read buffers). In pieces: a wave of `state_in_flight` pieces
+    (in flight, read buffers). In pieces: a wave of `state_in_flight` pieces (at
+    least one per update thread)
     updating, the next one read, as many written behind, each piece at most a chunk
     over its size (`part_bounds`), and a read buffer for each piece read at once.
     Whole units: `state_in_flight` read ahead, one updating, as many written behind
     (the largest units' states), and a read buffer for each read ahead.
   """
   depth = ec.state_in_flight
-  if pieces:
+  if pieces:  # at least a piece per update thread at once
+    depth = max(depth, ec.host_threads or host_threads())
     per_element = 4 + max(s / t for t, s in zip(trained, states) if t)
     piece = min(max(trained), piece_elements(ec) + ec.host_chunk) * per_element
     return int(3 * depth * piece), int(depth * piece)
