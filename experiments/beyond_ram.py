@@ -43,6 +43,8 @@ flags.DEFINE_integer("steps", 3, "Training steps.", lower_bound=1)
 flags.DEFINE_integer("seq_len", 64, "Tokens of the one sequence a step trains on.",
                      lower_bound=8)
 flags.DEFINE_string("checkpoint_dir", None, "Save after the steps, then resume from it.")
+flags.DEFINE_float("state_piece_mb", EngineConfig.state_piece_mb, "MiB of master in a piece "
+                   "of a unit's state streamed through its update.", lower_bound=1e-3)
 FLAGS = flags.FLAGS
 
 WIDTH = LlamaConfig(vocab_size=260, d_model=3072, n_layers=1, n_heads=24, n_kv_heads=8,
@@ -67,7 +69,8 @@ def main(argv):
   logging.set_verbosity(logging.INFO)
   logging.info("%s", launch.describe())
   cfg, opt = sized(FLAGS.ram_factor), adamw(1e-4)
-  ec = EngineConfig(compute_dtype=jnp.bfloat16, state_tier="disk", state_dir=FLAGS.state_dir)
+  ec = EngineConfig(compute_dtype=jnp.bfloat16, state_tier="disk", state_dir=FLAGS.state_dir,
+                    state_piece_mb=FLAGS.state_piece_mb)
   in_ram = memory.host_bytes(cfg, opt, EngineConfig(compute_dtype=jnp.bfloat16))
   logging.info("Model: %d layers, %.2fB parameters; its state in RAM would take %.1f GiB "
                "(masters %.1f, optimizer state %.1f) on a machine with %.1f GiB.",

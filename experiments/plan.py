@@ -46,7 +46,11 @@ flags.DEFINE_integer("mlp_chunk", None, "Feed-forward in chunks of this many tok
 flags.DEFINE_enum("state_tier", "host", list(STATE_TIERS), "Where the fp32 masters and "
                   "optimizer state live: host RAM, or files on the profile's NVMe drives.")
 flags.DEFINE_integer("state_in_flight", 2, "With --state_tier=disk: units whose state "
-                     "is read ahead, and written behind, at most.", lower_bound=1)
+                     "is read ahead, and written behind, at most (pieces, with AdamW: "
+                     "at least one per host thread).", lower_bound=1)
+flags.DEFINE_integer("host_threads", None, "Threads of the host update (default: this "
+                     "machine's CPUs); with --state_tier=disk, pieces updated at once.",
+                     lower_bound=1)
 flags.DEFINE_string("grpo", None, "Predict one GRPO iteration instead of a step: "
                     "PROMPTSxGROUP:PROMPT_LEN+COMPLETION_LEN[:POLICY_STEPS[:GENERATE_ROWS]], "
                     "e.g. 32x8:256+768:1:64 (docs/rl.md).")
@@ -69,7 +73,7 @@ def main(argv):
                     compute_dtype=FLAGS.compute_dtype, grad_accum=FLAGS.grad_accum,
                     activations=FLAGS.activations, recompute=FLAGS.recompute,
                     data_parallel=FLAGS.data_parallel, state_tier=FLAGS.state_tier,
-                    state_in_flight=FLAGS.state_in_flight,
+                    state_in_flight=FLAGS.state_in_flight, host_threads=FLAGS.host_threads,
                     state_dir="the profile's drives" if FLAGS.state_tier == "disk" else None)
   opt = adamw(1e-4)
   if FLAGS.grpo:

@@ -104,7 +104,9 @@ def test_frozen_units_and_striping_over_two_directories(tmp_path):
 
 @pytest.mark.parametrize("src, dst", [("disk", "host"), ("host", "disk")])
 def test_a_checkpoint_resumes_exactly_into_either_tier(tmp_path, src, dst):
-  ec = lambda tier, d: _disk(tmp_path / d) if tier == "disk" else mt.EngineConfig()
+  # On disk in pieces of 512 elements (18 to a block), joined whole in the checkpoint.
+  ec = lambda tier, d: (_disk(tmp_path / d, host_chunk=256, state_piece_mb=512 * 4 / 2**20)
+                        if tier == "disk" else mt.EngineConfig())
   (tmp_path / "s1").mkdir(), (tmp_path / "s2").mkdir()
   make = lambda tier, d, seed: mt.StreamingTrainer.from_config(
       CFG, mt.optim.adamw(1e-2), ec(tier, d), jax.random.key(seed))
