@@ -275,12 +275,12 @@ def test_the_disk_tier_plan_moves_the_state_to_the_drives():
   in_ram, on_disk = (planner.plan(cfg, ADAMW, ec, hw, 1, 2048) for ec in (host_ec, disk_ec))
   n = on_disk.params
   # Masters and moments leave RAM for the files. With the fused AdamW the state
-  # streams through the update in pieces: in RAM about 3 x 2 pieces of 8 MiB of master
-  # (a wave updating, the next read, one written behind; 12 bytes an element with
-  # the moments), and a read buffer for each piece read at once.
+  # streams through the update in pieces: in RAM about 3 x 2 pieces of 64 MiB of
+  # master (a wave updating, the next read, one written behind; 12 bytes an element
+  # with the moments), and a read buffer for each piece read at once.
   assert in_ram.host["masters"] == 4 * n and on_disk.host["masters"] == 0
   assert on_disk.host["optimizer_state"] == 0
-  piece = 12 * (8 << 20) // 4
+  piece = 12 * (64 << 20) // 4
   assert 6 * piece <= on_disk.host["state_in_flight"] <= 6 * piece * 1.2
   assert 2 * piece <= on_disk.host["read_buffers"] <= 2 * piece * 1.2
   # Any other transform updates whole units: the largest units' states in flight (2

@@ -170,7 +170,7 @@ class EngineConfig:
       "units written behind, at most; with the fused AdamW, pieces (state_piece_mb) "
       "read ahead, updated at once and written behind.", low=1)
   state_piece_mb: float = _field(
-      8.0, "With state_tier=disk and the fused AdamW: MiB of fp32 master in a piece of "
+      64.0, "With state_tier=disk and the fused AdamW: MiB of fp32 master in a piece of "
       "a unit, about (a whole number of host_chunk); each unit's state streams from "
       "its file through the update and back a piece at a time.", low=1e-3)
   step_start_buffers: int = _field(

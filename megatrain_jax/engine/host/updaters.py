@@ -99,9 +99,9 @@ class UnitUpdater(abc.ABC):
       (new master part, new state, its gradient's sum of squares) of each.
 
     Raises:
-      NotImplementedError: an updater of whole units.
+      TypeError: an updater of whole units (`pieces` false).
     """
-    raise NotImplementedError(f"{type(self).__name__} updates whole units.")
+    raise TypeError(f"{type(self).__name__} updates whole units, not pieces.")
 
   @abc.abstractmethod
   def init(self, spec: FlatSpec, master: tuple[jax.Array, ...]) -> tuple[Any, ...]:
