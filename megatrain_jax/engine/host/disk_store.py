@@ -2,12 +2,13 @@
 read ahead of its update and written back behind it (`EngineConfig(state_tier="disk")`).
 
 RAM keeps the compute-dtype copies, the frozen elements, the gradient accumulators, a
-whole-tree transform's state, and at most `depth` units' states read ahead, the one
-being updated and `depth` being written. Reads follow the order the last step's
-updates came in (the backward's before the first step), wrapping to the next step's
-first units; a unit not read ahead is read when its update asks (`misses`). Each
-unit's file is in the state directories in turn (striped). docs/engine.md, "The disk
-tier", says what this costs and guarantees.
+whole-tree transform's state, and a few pieces of units' states, which stream through
+the fused AdamW's updates (`host.disk_pieces`); or, with another transform, at most
+`depth` units' states read ahead, the one being updated and `depth` being written.
+Reads follow the order the last step's updates came in (the backward's before the
+first step), wrapping to the next step's first units; a unit not read ahead is read
+when its update asks (`misses`). Each unit's file is in the state directories in turn
+(striped). docs/engine.md, "The disk tier", says what this costs and guarantees.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
 
 class DiskStore(PieceUpdates, HostStore):
-  """Every unit's master and optimizer state in its own file, `depth` units in RAM."""
+  """Every unit's master and optimizer state in its own file; pieces or units in RAM."""
   tier = "disk"
 
   def __init__(self, updater: UnitUpdater, specs: Sequence[FlatSpec], masters: Iterable[Any],
