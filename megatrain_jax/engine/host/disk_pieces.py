@@ -115,8 +115,7 @@ class PieceUpdates:
     """
     budget = self._piece_ahead - len(self._piece_reads)
     for u in units:
-      if (budget <= 0 or u in self._taken or u in self._ready or u in self._writes
-          or not self.trained[u].size):
+      if budget <= 0 or u in self._taken or u in self._writes or not self.trained[u].size:
         continue
       for j in range(min(budget, len(self.bounds[u]))):
         if (u, j) not in self._piece_reads:
@@ -142,25 +141,20 @@ class PieceUpdates:
       self._check_writes()
       self.order.begin(u)
       self._taken.add(u)
-      write, whole, pre = self._writes.get(u), self._reads.pop(u, None), self._ready.pop(u, None)
+      write = self._writes.get(u)  # its last update's header, maybe not yet written
       reads = {j: self._piece_reads.pop((u, j)) for j in range(len(bounds))
                if (u, j) in self._piece_reads}
       gen = self._gen[u]
-      if 0 not in reads and whole is None and pre is None:
+      if 0 not in reads:
         self.misses += 1  # not read ahead: the update waits for its first read
     if write is not None:
       write.result()
-    pre = whole.result() if whole is not None else pre  # a whole state in RAM already
-    if pre is not None:
-      self._piece_hold(sum(x.nbytes for x in jax.tree.leaves(pre)))
 
     def read(j):
-      if pre is None and j < len(bounds) and j not in reads:
+      if j < len(bounds) and j not in reads:
         reads[j] = self._pool.submit(self._read_piece, u, j, gen)
 
     def get(j):
-      if pre is not None:
-        return pre.master[j], pre.opt[j]
       read(j)
       return reads.pop(j).result()
 
