@@ -268,8 +268,8 @@ class UnitFile:
                     lay.header_bytes + leaf.offset + pos)
       if zlib.crc32(data[at:at + n]) != crcs[i]:
         self._bad("its data does not match its checksum (modified or corrupted)")
-      count = int(np.prod(leaf.shape, dtype=np.int64))
-      out.append(np.frombuffer(data, leaf.dtype, count, at).reshape(leaf.shape))
+      elements = int(np.prod(leaf.shape, dtype=np.int64))
+      out.append(np.frombuffer(data, leaf.dtype, elements, at).reshape(leaf.shape))
       at += n
     if not self.direct:
       os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
