@@ -4,9 +4,9 @@ through the update and back, so RAM holds a few pieces, never whole units.
 With an updater that updates each part of a unit on its own (`UnitUpdater.pieces`,
 the fused AdamW), a unit's master is cut into pieces of about
 `EngineConfig.state_piece_mb` MiB, whole chunks (`adamw.part_bounds`), each a part
-with its own optimizer state and its own arrays in the unit's file. A unit's update then reads its pieces, `ahead` at a
-time ahead of the ones being updated; updates them `ahead` at a time, on the
-updater's threads; casts each new master piece to the compute dtype (the unit's
+with its own optimizer state and its own arrays in the unit's file. A unit's update
+then reads its pieces, `ahead` at a time ahead of the ones being updated; updates
+them `ahead` at a time, on the updater's threads; casts each new master piece to the compute dtype (the unit's
 streaming copy is joined from them); and writes each back in place, at most `ahead`
 behind. When every piece is written, the file's header takes their checksums and the
 new generation (`UnitFile.commit`). Once a unit is done, the first pieces of the next
