@@ -6,11 +6,12 @@ the fused AdamW), a unit's master is cut into pieces of about
 `EngineConfig.state_piece_mb` MiB, whole chunks (`adamw.part_bounds`), each a part
 with its own optimizer state and its own arrays in the unit's file. A unit's update
 then reads its pieces, `ahead` at a time ahead of the ones being updated; updates
-them `ahead` at a time, on the updater's threads; casts each new master piece to the compute dtype (the unit's
-streaming copy is joined from them); and writes each back in place, at most `ahead`
-behind. When every piece is written, the file's header takes their checksums and the
-new generation (`UnitFile.commit`). Once a unit is done, the first pieces of the next
-units in the order the updates come in are read ahead, while the backward goes on.
+them `ahead` at a time, on the updater's threads; casts each new master piece to the
+compute dtype (the unit's streaming copy is joined from them); and writes each back
+in place, at most `ahead` behind. When every piece is written, the file's header
+takes their checksums and the new generation (`UnitFile.commit`). Once a unit is
+done, the first pieces of the next units in the order the updates come in are read
+ahead, while the backward goes on.
 docs/engine.md, "The disk tier", says what this holds in RAM and what it costs.
 """
 
