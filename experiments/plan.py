@@ -6,6 +6,8 @@
   python experiments/plan.py --model=70b --hosts=4 --data_parallel=8 --batch_size=64  # 32 devices
 
   python experiments/plan.py --model=70b --hardware=workstation --state_tier=disk --batch_size=8
+  python experiments/plan.py --model=123b --hardware=workstation --state_tier=disk \
+      --stream_copy=disk --batch_size=1   # the copies on the drives too
   python experiments/plan.py --model=7b --hardware=h200 --grpo=32x8:256+768   # one GRPO iteration
 
 Hardware: h200, gh200, h100_pcie, a100, workstation (an RTX 4090 with 256 GB of RAM and
@@ -19,7 +21,8 @@ from megatrain_jax import planner
 from megatrain_jax.planner import rl as rl_planner
 from megatrain_jax.bench import calibrate
 from megatrain_jax.engine import EngineConfig
-from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE, STATE_TIERS
+from megatrain_jax.engine.config import ACTIVATIONS, DTYPES, RECOMPUTE, STATE_TIERS, \
+    STREAM_COPIES
 from megatrain_jax.models.config import PRESETS, preset
 from megatrain_jax.optim import adamw
 
@@ -45,6 +48,9 @@ flags.DEFINE_integer("mlp_chunk", None, "Feed-forward in chunks of this many tok
                      "(default: the model's, or 8192 when it does not fit without).")
 flags.DEFINE_enum("state_tier", "host", list(STATE_TIERS), "Where the fp32 masters and "
                   "optimizer state live: host RAM, or files on the profile's NVMe drives.")
+flags.DEFINE_enum("stream_copy", "auto", list(STREAM_COPIES), "Where the compute-dtype "
+                  "copies live: auto/keep (host RAM, on an accelerator), or disk (files "
+                  "beside the state, with --state_tier=disk: read at each fetch).")
 flags.DEFINE_integer("state_in_flight", 2, "With --state_tier=disk: units whose state "
                      "is read ahead, and written behind, at most (pieces, with AdamW: "
                      "at least one per host thread).", lower_bound=1)
@@ -74,6 +80,7 @@ def main(argv):
                     activations=FLAGS.activations, recompute=FLAGS.recompute,
                     data_parallel=FLAGS.data_parallel, state_tier=FLAGS.state_tier,
                     state_in_flight=FLAGS.state_in_flight, host_threads=FLAGS.host_threads,
+                    stream_copy=FLAGS.stream_copy,
                     state_dir="the profile's drives" if FLAGS.state_tier == "disk" else None)
   opt = adamw(1e-4)
   if FLAGS.grpo:

@@ -117,13 +117,14 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
       masters.append(specs[-1].split_np(tree, frozen_dtype))
       del tree
     _check_count(len(specs), cfg.n_layers)
-  keep = sizes.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
+  on_disk = ec.stream_copy == "disk"
+  keep = on_disk or sizes.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
   updater = resolution.make(transport.host_device, ec.host_threads, ec.host_chunk)
   if ec.state_tier == "disk":
     store = DiskStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name,
                       ec.state_dir, depth=ec.state_in_flight,
                       piece=sizes.piece_elements(ec),
-                      copy_dtype=ec.compute_dtype)
+                      copy_dtype=ec.compute_dtype, copy_files=on_disk)
   else:
     store = HostStore(updater, specs, masters, transport.host_device, ec.frozen_dtype_name)
   host_opt = HostOptimizer(store, updater, jnp.dtype(ec.compute_dtype),
@@ -133,7 +134,7 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
                "streaming copies %s%s.", len(specs), n / 1e6,
                f" ({frozen / 1e6:.1f}M frozen, in {ec.frozen_dtype_name})" if frozen else "",
                updater.mode, updater.describe(), ec.dtype_name,
-               "kept" if keep else "made at each fetch",
+               "on disk" if on_disk else "kept" if keep else "made at each fetch",
                f", state on disk in {ec.state_dir} ({store.disk_bytes() / 2**30:.2f} GiB)"
                if ec.state_tier == "disk" else "")
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],

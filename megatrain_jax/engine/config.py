@@ -15,7 +15,7 @@ import jax.numpy as jnp
 # The choices of the string-valued fields. Flags and checks read them from here.
 OPTIMIZER_MODES = ("auto", "per_unit", "whole_tree")
 NONFINITE_POLICIES = ("raise", "skip")
-STREAM_COPIES = ("auto", "keep", "on_fetch")
+STREAM_COPIES = ("auto", "keep", "on_fetch", "disk")
 ACTIVATIONS = ("auto", "device", "host")
 # Where each unit's fp32 master and optimizer state live (`engine.host.disk_store`).
 STATE_TIERS = ("host", "disk")
@@ -119,8 +119,10 @@ class EngineConfig:
       choices=NONFINITE_POLICIES)
   stream_copy: str = _field(
       "auto", "Where a fetch's compute-dtype copy comes from: keep (one per unit in "
-      "pinned host memory), on_fetch (cast from the fp32 master at each fetch), auto "
-      "(on_fetch on the CPU backend, keep on an accelerator).", choices=STREAM_COPIES)
+      "pinned host memory), on_fetch (cast from the fp32 master at each fetch), disk "
+      "(with state_tier=disk: one file per unit beside its state, read at each fetch, "
+      "so RAM holds no copy of the model), auto (on_fetch on the CPU backend, keep on "
+      "an accelerator; keep with state_tier=disk).", choices=STREAM_COPIES)
   host_threads: int | None = _field(
       None, "Threads of the fused host AdamW, each on its own part of every unit "
       "(None: one per CPU this process may use).", low=1)
@@ -204,6 +206,9 @@ class EngineConfig:
         raise ValueError("stream_copy='on_fetch' casts each fetch from the fp32 master, "
                          "which state_tier='disk' keeps on disk: use stream_copy='keep' "
                          "or 'auto' (the compute-dtype copies stay in RAM).")
+    if self.stream_copy == "disk" and self.state_tier != "disk":
+      raise ValueError("stream_copy='disk' keeps the compute-dtype copies in files beside "
+                       "the optimizer state: set state_tier='disk' and state_dir too.")
     if self.recompute != "full" and self.checkpoint_every != 1:
       raise ValueError(f"EngineConfig.recompute={self.recompute!r} keeps every layer's "
                        f"residuals, so checkpoint_every={self.checkpoint_every} groups "

@@ -331,7 +331,8 @@ class Runtime:
             "optimizer_mode": host_opt.updater.mode,
             "fused_optimizer": host_opt.updater.fused,
             "host_update_parts": max(len(b) for b in host_opt.store.bounds),
-            "stream_copy": "keep" if self.store.keep_copy else "on_fetch",
+            "stream_copy": ("disk" if self.store.files is not None
+                            else "keep" if self.store.keep_copy else "on_fetch"),
             "state_tier": host_opt.store.tier, "disk": host_opt.store.io_stats(),
             "out_of_order_fetches": self.prefetcher.out_of_order,
             "start_buffer_fetches": self.prefetcher.start_buffer_fetches,

@@ -36,6 +36,56 @@ def disk_state_bytes(cfg: LlamaConfig, ec) -> int:
   return DISK_STATE_BYTES_PER_PARAM * sum(sizes.unit_sizes(cfg))
 
 
+def disk_copy_bytes(cfg: LlamaConfig, ec) -> int:
+  """Bytes of the streaming copies' files (`stream_copy="disk"`; else 0).
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+
+  Returns:
+    The bytes: a compute-dtype copy of every parameter.
+  """
+  if ec.stream_copy != "disk":
+    return 0
+  return jnp.dtype(ec.compute_dtype).itemsize * sum(sizes.unit_sizes(cfg))
+
+
+def disk_step_bytes(cfg: LlamaConfig, ec) -> tuple[int, int]:
+  """Bytes a step reads from and writes to the disk tier's drives.
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+
+  Returns:
+    (read, written): every state file once each way; with the copies on disk, also
+    every fetch's copy read and every copy written once.
+  """
+  state, copies = disk_state_bytes(cfg, ec), disk_copy_bytes(cfg, ec)
+  return state + (step_bytes(cfg, ec)["h2d"] if copies else 0), state + copies
+
+
+def disk_figures(cfg: LlamaConfig, ec, files: bool = False) -> dict[str, int]:
+  """The disk tier's bytes by kind (empty with the state in RAM).
+
+  Args:
+    cfg: the model.
+    ec: the engine config.
+    files: only the files' bytes.
+
+  Returns:
+    "state files", "copy files" (0 with the copies in RAM), and unless `files`,
+    "read per step" and "written per step" (`disk_step_bytes`).
+  """
+  if ec.state_tier != "disk":
+    return {}
+  out = {"state files": disk_state_bytes(cfg, ec), "copy files": disk_copy_bytes(cfg, ec)}
+  if not files:
+    out["read per step"], out["written per step"] = disk_step_bytes(cfg, ec)
+  return out
+
+
 def step_program(cfg: LlamaConfig, ec) -> program_lib.StepProgram:
   """A step's operations for `ec` (`engine.plan.program`): what the planner counts
   its template calls, fetches, gradients and recomputed forwards from.
@@ -147,7 +197,8 @@ def times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
   Returns:
     Seconds of "compute", "h2d", "d2h", "host_opt" and "collectives"; with
     `state_tier="disk"`, also "disk": reading and then writing every unit's master
-    and AdamW moments (12 bytes per parameter each way) over the drives.
+    and AdamW moments (12 bytes per parameter each way) over the drives, and the
+    copies' files with them (`disk_step_bytes`).
 
   Raises:
     ValueError: the disk tier on a profile that states no drives.
@@ -171,7 +222,7 @@ def times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
       raise ValueError(f"The hardware profile {hw.name!r} states no NVMe drives, so the "
                        "disk tier's time is unknown: choose a profile with drives "
                        "(workstation) or state_tier='host'.")
-    state = disk_state_bytes(cfg, ec)
-    out["disk"] = state / (hw.disk_drives * hw.disk_read_bytes_per_s) + state / (
+    read, written = disk_step_bytes(cfg, ec)
+    out["disk"] = read / (hw.disk_drives * hw.disk_read_bytes_per_s) + written / (
         hw.disk_drives * hw.disk_write_bytes_per_s)
   return out

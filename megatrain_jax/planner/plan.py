@@ -153,6 +153,7 @@ class Plan:
   mlp_chunk: int | None
   host: dict[str, int]
   disk_bytes: int  # the disk tier's state files (0: the state is in RAM)
+  disk: dict[str, int]  # the disk tier's bytes by kind (`cost.disk_figures`)
   pinned: dict[str, int]
   device: dict[str, int]
   device_peak: int
@@ -188,11 +189,12 @@ class Plan:
             ("feed-forward chunk", f"{self.mlp_chunk:,} tokens" if self.mlp_chunk
              else "whole sequence")]
     rows += [("fp32 masters and optimizer state in", "disk (state files)" if self.disk_bytes
-              else "host RAM")] + [(f"host (each): {k}", f"{v / 2**30:,.2f} GiB")
-                                   for k, v in self.host.items()]
-    rows += [(f"disk: {k}", f"{v / 2**30:,.2f} GiB") for k, v in (
-        ("state files", self.disk_bytes), ("read + written per step", 2 * self.disk_bytes))
-             if self.disk_bytes]
+              else "host RAM")]
+    if self.disk:
+      rows += [("compute-dtype copies in", "disk (copy files)" if self.disk["copy files"]
+                else "host RAM")]
+    rows += [(f"host (each): {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.host.items()]
+    rows += [(f"disk: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.disk.items()]
     rows += [(f"pinned host: {k}", f"{v / 2**30:,.2f} GiB") for k, v in self.pinned.items()]
     rows += [(f"{pinned_lib.ENV} (GPU)", str(pinned_lib.limit_for(self.pinned["total"])))]
     rows += [(f"device (each): {k}", f"{v / 2**30:,.3f} GiB") for k, v in self.device.items()]
@@ -295,6 +297,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
       devices_per_host=per_host, params=sum(counts),
       activations=ec.activations, recompute=ec.recompute, recompute_options=options,
       host=host, mlp_chunk=cfg.mlp_chunk, disk_bytes=cost.disk_state_bytes(cfg, ec),
+      disk=cost.disk_figures(cfg, ec),
       attention=layers.attention_kernel(cfg, ec.compute_dtype, False, seq_len,
                                         _platform(hw.flash_attention)),
       pinned=pinned_lib.pinned_bytes(cfg, ec, batch_size // hosts, seq_len,
@@ -360,7 +363,8 @@ def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int,
         bottleneck = "compute + collectives"
   host_need = host["total"] + (dev["total"] if hw.shared else 0)
   fits = (host_need <= hw.host_bytes and dev["total"] <= hw.device_bytes
-          and cost.disk_state_bytes(cfg, ec) <= hw.disk_drives * hw.disk_bytes)
+          and sum(cost.disk_figures(cfg, ec, files=True).values())
+          <= hw.disk_drives * hw.disk_bytes)
   return _Evaluation(dev, fits, step, t, bottleneck, host)
 
 

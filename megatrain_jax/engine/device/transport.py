@@ -50,7 +50,7 @@ class Transport(abc.ABC):
     """Makes a streaming copy.
 
     Args:
-      host_array: a CPU-backend array.
+      host_array: a CPU-backend array, or a numpy array (a copy read from disk).
 
     Returns:
       The array in pinned host memory (where the device can read it by DMA).
@@ -190,7 +190,8 @@ class DeviceTransport(Transport):
     self.d2h_path = "cpu_backend" if d2h_path == "auto" or self.pinned is None else d2h_path
 
   def stage(self, host_array):
-    if self.pinned is None or getattr(host_array.sharding, "memory_kind", None) == "pinned_host":
+    kind = getattr(getattr(host_array, "sharding", None), "memory_kind", None)
+    if self.pinned is None or kind == "pinned_host":
       return host_array
     return jax.device_put(host_array, self.pinned)
 

@@ -2,8 +2,10 @@
 
 The fp32 masters and optimizer state live in the `HostOptimizer`. Beside them this
 store keeps, per `EngineConfig.stream_copy`, either a compute-dtype streaming copy
-of every unit in pinned host memory (one DMA per fetch) or nothing (each fetch
-casts the master). Units kept on the device (`stream_embed_head=False`) are
+of every unit in pinned host memory (one DMA per fetch), or nothing (each fetch
+casts the master), or, with the disk tier's store holding them in files
+(`host.disk_copies`), nothing in RAM (each fetch reads the unit's file, and each
+update rewrites it). Units kept on the device (`stream_embed_head=False`) are
 refreshed here after each update.
 """
 
@@ -29,14 +31,17 @@ class UnitStore:
       host_opt: the masters.
       transport: moves bytes to the device.
       compute_dtype: the copies' dtype.
-      keep_copy: keep a streaming copy of every unit in pinned host memory.
+      keep_copy: keep a streaming copy of every unit: in pinned host memory, or in
+        the files of the store's `copies` where it has them (written already).
       ledger: counts the resident units' device bytes.
     """
     self.host_opt, self.transport, self.cd = host_opt, transport, compute_dtype
     self.keep_copy, self.ledger = keep_copy, ledger
     self._lock = threading.Lock()
+    self.files = getattr(host_opt.store, "copies", None) if keep_copy else None
     self._stream = ([transport.stage(host_opt.stream_copy(u))
-                     for u in range(len(host_opt.store.specs))] if keep_copy else None)
+                     for u in range(len(host_opt.store.specs))]
+                    if keep_copy and self.files is None else None)
     self._resident: dict[int, jax.Array] = {}
     self.resident_h2d_bytes = 0  # fetches of resident units, taken by each step
 
@@ -56,8 +61,11 @@ class UnitStore:
       u: the unit.
 
     Returns:
-      A new device array: from its kept streaming copy, or cast from its master.
+      A new device array: from its kept streaming copy (in RAM or read from its
+      file), or cast from its master.
     """
+    if self.files is not None:
+      return self.transport.h2d(self.transport.stage(self.files.read(u)))
     if self._stream is not None:
       return self.transport.h2d(self._stream[u])
     return self.transport.h2d_cast(self.host_opt.store.fetch_parts(u), self.cd)
@@ -88,7 +96,9 @@ class UnitStore:
       u: the unit.
       new_copy: its new compute-dtype copy (None when no copy is kept).
     """
-    if new_copy is not None:
+    if new_copy is not None and self.files is not None:
+      self.files.write(u, new_copy)
+    elif new_copy is not None:
       self._stream[u] = self.transport.stage(new_copy)
     if u in self._resident:
       self._refresh_resident(u)

@@ -128,6 +128,7 @@ class FileLayout(NamedTuple):
 
 class UnitFile:
   """One unit's state file: written whole or in pieces, checked on every read."""
+  what = "state"  # named in errors
 
   def __init__(self, path: str, unit: int, token: bytes, layout: FileLayout):
     """Opens (creating or truncating) the file, direct I/O where allowed.
@@ -153,7 +154,7 @@ class UnitFile:
         self.direct = False  # the file system refuses direct I/O: through the cache
         self.fd = os.open(path, flags, 0o600)
     except OSError as e:
-      raise DiskStateError(e.errno, f"Cannot create the state file {path}: {e.strerror}. "
+      raise DiskStateError(e.errno, f"Cannot create the {self.what} file {path}: {e.strerror}. "
                            "state_dir must be a writable directory.") from e
 
   def write(self, arrays: Sequence[np.ndarray], generation: int,
@@ -276,7 +277,7 @@ class UnitFile:
     return out
 
   def _bad(self, why: str):
-    raise DiskStateError(errno.EIO, f"The state file {self.path} of unit {self.unit} cannot "
+    raise DiskStateError(errno.EIO, f"The {self.what} file {self.path} of unit {self.unit} cannot "
                          f"be used: {why}. Nothing was updated from it; resume from the "
                          "last checkpoint.")
 
@@ -288,7 +289,7 @@ class UnitFile:
     except OSError as e:
       hint = (" The disk is full: free space on it or name a larger state_dir."
               if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else "")
-      raise DiskStateError(e.errno, f"Writing the state of unit {self.unit} to {self.path} "
+      raise DiskStateError(e.errno, f"Writing the {self.what} of unit {self.unit} to {self.path} "
                            f"failed: {e.strerror}.{hint} The last checkpoint is intact.") \
           from e
 
@@ -298,7 +299,7 @@ class UnitFile:
       try:
         n = os.preadv(self.fd, [view[done:]], at + done)
       except OSError as e:
-        raise DiskStateError(e.errno, f"Reading the state of unit {self.unit} from "
+        raise DiskStateError(e.errno, f"Reading the {self.what} of unit {self.unit} from "
                              f"{self.path} failed: {e.strerror}.") from e
       if n == 0:
         self._bad("it ended early (truncated)")

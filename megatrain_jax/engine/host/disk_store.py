@@ -24,21 +24,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, UnitFile
+from megatrain_jax.engine.host.disk_copies import CopyFiles
 from megatrain_jax.engine.host.disk_pieces import PieceUpdates
-from megatrain_jax.engine.host.disk_support import Buffers, Busy, UpdateOrder, check_space, \
-    lock_dir, remove_files, state_dirs
+from megatrain_jax.engine.host.disk_support import Buffers, Busy, DiskFigures, UpdateOrder, \
+    check_space, lock_dir, remove_files, state_dirs
 from megatrain_jax.engine.host.flat import FlatSpec, split_master
 from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
 
-class DiskStore(PieceUpdates, HostStore):
+class DiskStore(PieceUpdates, DiskFigures, HostStore):
   """Every unit's master and optimizer state in its own file; pieces or units in RAM."""
   tier = "disk"
 
   def __init__(self, updater: UnitUpdater, specs: Sequence[FlatSpec], masters: Iterable[Any],
                host_device: jax.Device, frozen_dtype, state_dir: str | Sequence[str],
                depth: int = 2, io_threads: int = 4, piece: int | None = None,
-               copy_dtype=jnp.float32):
+               copy_dtype=jnp.float32, copy_files: bool = False):
     """Writes every unit's initial state to its file, one unit in RAM at a time.
 
     Args:
@@ -54,6 +55,8 @@ class DiskStore(PieceUpdates, HostStore):
       io_threads: threads reading and writing.
       piece: with such an updater, the most elements of a piece (None: its parts).
       copy_dtype: the streaming copies' dtype.
+      copy_files: keep the streaming copies in files too (`copies`, `disk_copies`),
+        each written here from its unit's initial master.
 
     Raises:
       DiskStateError: a directory is missing, read-only, too small or in use.
@@ -65,14 +68,20 @@ class DiskStore(PieceUpdates, HostStore):
     self._templates = [self._template(u) for u in range(n)]
     self.layouts = [FileLayout.of((x.shape, x.dtype) for x in self._leaves(t))
                     for t in self._templates]
-    need = [0] * len(self.dirs)
+    self.busy = {"read": Busy(), "write": Busy(), "any": Busy()}
+    self.copies = (CopyFiles(self.dirs, [s.size for s in self.specs], copy_dtype, self.busy)
+                   if copy_files else None)
+    need = [0] * len(self.dirs) if self.copies is None else self.copies.need()
     for u, lay in enumerate(self.layouts):
       need[u % len(self.dirs)] += lay.file_bytes
     check_space(self.dirs, need)
     self._locks = [lock_dir(d) for d in self.dirs]
     self._files = [UnitFile(os.path.join(self.dirs[u % len(self.dirs)], FILE_PATTERN.format(u)),
                             u, os.urandom(16), self.layouts[u]) for u in range(n)]
-    self._finalizer = weakref.finalize(self, remove_files, self._files, self._locks)
+    if self.copies is not None:
+      self.copies.open()
+    self._finalizer = weakref.finalize(self, remove_files, self._files, self._locks,
+                                       [] if self.copies is None else self.copies.files)
     self._gen = [0] * n
     self._cv = threading.Condition()
     self._ready: dict[int, UnitState] = {}  # in RAM and current
@@ -88,7 +97,6 @@ class DiskStore(PieceUpdates, HostStore):
     self.order = UpdateOrder(n, sum(1 for t in self.trained if t.size))
     self._failed: BaseException | None = None
     self.misses, self.read_bytes, self.write_bytes = 0, 0, 0
-    self.busy = {"read": Busy(), "write": Busy(), "any": Busy()}
     whole = updater.mode == "whole_tree"
     kept = []
     try:
@@ -99,6 +107,9 @@ class DiskStore(PieceUpdates, HostStore):
         self.frozen.append(None if frozen is None else self._put(frozen, frozen_dtype))
         del flat, frozen
         self._write_now(u, UnitState(parts, updater.init(self.trained[u], parts)))
+        if self.copies is not None:
+          fz = () if self.frozen[u] is None else (self.frozen[u],)
+          self.copies.write(u, jnp.concatenate([*parts, *fz]).astype(copy_dtype))
         kept.append(parts[0] if whole else None)
     except BaseException:
       self._pool.shutdown(wait=True)
@@ -321,53 +332,6 @@ class DiskStore(PieceUpdates, HostStore):
     if read is not None:
       read.result()
     self._write_now(u, st)
-
-  def master_bytes(self):
-    """Host bytes of the frozen elements (the masters are on disk).
-
-    Returns:
-      The bytes.
-    """
-    return sum(f.nbytes for f in self.frozen if f is not None)
-
-  def state_bytes(self):
-    """Host bytes of the states in RAM now (read ahead, or being written), and of a
-    whole-tree transform's state.
-
-    Returns:
-      The bytes.
-    """
-    with self._cv:
-      ram = list(self._ready.values())
-      held = self.piece_held
-    return held + sum(x.nbytes for x in jax.tree.leaves([ram, self.shared])
-                      if hasattr(x, "nbytes"))
-
-  def disk_bytes(self) -> int:
-    """Bytes of the state files.
-
-    Returns:
-      Their total.
-    """
-    return sum(lay.file_bytes for lay in self.layouts)
-
-  def io_stats(self):
-    """What the store read and wrote.
-
-    Returns:
-      "read_bytes", "write_bytes" (queued), "read_misses" (updates that waited for
-      a read started then), "read_busy_s", "write_busy_s" and "busy_s" (wall time
-      with at least one read, write, or either under way), "file_bytes", "dirs",
-      "read_buffer_bytes" (the read buffers, in use or kept for reuse),
-      "piece_peak_bytes" (the most bytes of pieces in RAM at once: `disk_pieces`).
-    """
-    with self._cv:
-      return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
-              "read_misses": self.misses, "read_busy_s": self.busy["read"].seconds,
-              "write_busy_s": self.busy["write"].seconds, "busy_s": self.busy["any"].seconds,
-              "file_bytes": self.disk_bytes(), "dirs": list(self.dirs),
-              "read_buffer_bytes": self._buffers.held_bytes(),
-              "piece_peak_bytes": self.piece_peak}
 
   def close(self) -> None:
     """Lets the pending writes finish, then removes the state files (a run's working

@@ -1,5 +1,6 @@
-"""The disk tier's directories (their checks and locks), its reused buffers, and the
-time its disk is busy (`host.disk` has the files themselves)."""
+"""The disk tier's directories (their checks and locks), its reused buffers, the
+time its disk is busy, and the figures a store reports (`host.disk` has the files
+themselves)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 from typing import Iterator, Sequence
 
+import jax
 import numpy as np
 from absl import logging
 
@@ -178,14 +180,16 @@ def lock_dir(d: str) -> int:
   return fd
 
 
-def remove_files(files: list[UnitFile], locks: list[int]) -> None:
+def remove_files(files: list[UnitFile], locks: list[int],
+                 more: Sequence[UnitFile] = ()) -> None:
   """Removes a closed store's files and releases its directories.
 
   Args:
     files: the unit files.
     locks: the directories' lock descriptors.
+    more: other files of the store (its streaming copies).
   """
-  for f in files:
+  for f in [*files, *more]:
     f.close(remove=True)
   for fd in locks:
     os.close(fd)
@@ -242,3 +246,60 @@ class UpdateOrder:
       Them, in order: after the last update begun, or the step's first ones.
     """
     return self.after(self.seen[-1]) if self.seen else list(self.order)
+
+
+class DiskFigures:
+  """What a `DiskStore` holds in RAM and on disk, and what it read and wrote."""
+
+  def master_bytes(self):
+    """Host bytes of the frozen elements (the masters are on disk).
+
+    Returns:
+      The bytes.
+    """
+    return sum(f.nbytes for f in self.frozen if f is not None)
+
+  def state_bytes(self):
+    """Host bytes of the states in RAM now (read ahead, or being written), and of a
+    whole-tree transform's state.
+
+    Returns:
+      The bytes.
+    """
+    with self._cv:
+      ram = list(self._ready.values())
+      held = self.piece_held
+    return held + sum(x.nbytes for x in jax.tree.leaves([ram, self.shared])
+                      if hasattr(x, "nbytes"))
+
+  def disk_bytes(self) -> int:
+    """Bytes of the state files.
+
+    Returns:
+      Their total.
+    """
+    return sum(lay.file_bytes for lay in self.layouts)
+
+  def io_stats(self):
+    """What the store read and wrote.
+
+    Returns:
+      "read_bytes", "write_bytes" (queued), "read_misses" (updates that waited for
+      a read started then), "read_busy_s", "write_busy_s" and "busy_s" (wall time
+      with at least one read, write, or either under way), "file_bytes", "dirs",
+      "read_buffer_bytes" (the read buffers, in use or kept for reuse),
+      "piece_peak_bytes" (the most bytes of pieces in RAM at once: `disk_pieces`);
+      with the copies on disk, "copy_read_bytes", "copy_write_bytes" and
+      "copy_file_bytes" (the busy times count their I/O too; the other bytes not).
+    """
+    c = self.copies
+    with self._cv:
+      return {"read_bytes": self.read_bytes, "write_bytes": self.write_bytes,
+              **({} if c is None else {"copy_read_bytes": c.read_bytes,
+                                       "copy_write_bytes": c.write_bytes,
+                                       "copy_file_bytes": c.file_bytes()}),
+              "read_misses": self.misses, "read_busy_s": self.busy["read"].seconds,
+              "write_busy_s": self.busy["write"].seconds, "busy_s": self.busy["any"].seconds,
+              "file_bytes": self.disk_bytes(), "dirs": list(self.dirs),
+              "read_buffer_bytes": self._buffers.held_bytes(),
+              "piece_peak_bytes": self.piece_peak}

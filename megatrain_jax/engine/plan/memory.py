@@ -139,7 +139,9 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     gradient_buffers: fp32 accumulators of the whole model when updates wait for the
     sweep or grad_accum > 1, plus the gradients queued between the threads.
     pinned_copies: the compute-dtype copy of every unit plus one being replaced,
-    where they are kept (`keeps_stream_copy`). checkpoint_copies: what a save
+    where they are kept (`keeps_stream_copy`); with `stream_copy="disk"` instead
+    copy_buffers: a unit's copy read for a fetch and staged, and one made by an
+    update and written (4 of the largest). checkpoint_copies: what a save
     adds while training goes on (`snapshot_copy_bytes`, plus the unit the writer
     holds). activation_checkpoints (with a batch shape): those `step_plan` sends
     to host memory. total.
@@ -167,6 +169,8 @@ def host_bytes(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
     out["masters"] = out["optimizer_state"] = 0
     out["state_in_flight"], out["read_buffers"] = sizes.disk_state_in_ram(
         ec, trained, states, r.kind.pieces)
+  if ec.stream_copy == "disk":
+    out["copy_buffers"] = 4 * cd * max(counts)
   if nt < n:
     out["frozen_params"] = (n - nt) * jnp.dtype(ec.frozen_dtype_name).itemsize
   if batch_size is not None:

@@ -103,7 +103,7 @@ def unit_grad_bytes(cfg: LlamaConfig, ec: EngineConfig,
 
 
 def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
-  """Whether a run keeps a compute-dtype copy of every unit in host memory.
+  """Whether a run keeps a compute-dtype copy of every unit in host memory (RAM).
 
   Args:
     ec: the engine config (`stream_copy`; "auto" keeps it only on an accelerator).
@@ -112,6 +112,8 @@ def keeps_stream_copy(ec: EngineConfig, on_cpu: bool | None = None) -> bool:
   Returns:
     The answer.
   """
+  if ec.stream_copy == "disk":  # in files: RAM holds only the units in flight
+    return False
   if ec.state_tier == "disk":  # the fp32 masters are on disk: fetches read the copies
     return True
   if ec.stream_copy != "auto":

@@ -1,0 +1,131 @@
+"""Streaming copies on disk (`EngineConfig(stream_copy="disk")`): each unit's
+compute-dtype copy in a file beside its state, read at each fetch and rewritten
+after each update, so RAM holds no copy of the model at all.
+
+With the disk tier alone, RAM keeps a compute-dtype copy of every unit (2 bytes a
+parameter in bf16): 246 GB for a 123B model, more than a 256 GB workstation can
+spare. With the copies on disk as well, RAM keeps only the few units in flight, and
+each step reads every copy once for the forward and once for the backward and
+writes it once: 6 bytes a parameter in bf16, against the state's 24.
+
+A copy file is a `UnitFile` of one array, checked as a state file is (its run, its
+unit, its write, its CRC) and named in any error. The files are working data, made
+from the masters when the trainer is built and after a restore, and removed when
+it closes; a checkpoint never holds them.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from typing import Sequence
+
+import numpy as np
+
+from megatrain_jax.engine.host.disk import CHUNK, FileLayout, UnitFile, aligned_buffer
+from megatrain_jax.engine.host.disk_support import Buffers, Busy
+
+COPY_PATTERN = "copy_{:05d}.mtcopy"
+
+
+class CopyFile(UnitFile):
+  """One unit's streaming copy file (a `UnitFile` whose errors name it as such)."""
+  what = "streaming copy"
+
+
+class CopyFiles:
+  """Every unit's compute-dtype streaming copy in its own file, striped as the state.
+
+  Attributes:
+    layouts: each unit's file layout (one array).
+    read_bytes, write_bytes: bytes read and written so far.
+  """
+
+  def __init__(self, dirs: Sequence[str], sizes: Sequence[int], dtype,
+               busy: dict[str, Busy] | None = None):
+    """Lays out the files; nothing is created until `open`.
+
+    Args:
+      dirs: the state directories (unit u's file goes to dirs[u % len(dirs)]).
+      sizes: each unit's elements (trained and frozen).
+      dtype: the compute dtype.
+      busy: "read", "write" and "any" counters of the disk's busy time to add to.
+    """
+    self.dirs, self.dtype = list(dirs), np.dtype(dtype)
+    self.layouts = [FileLayout.of([((int(n),), self.dtype.name)]) for n in sizes]
+    self.busy = busy or {"read": Busy(), "write": Busy(), "any": Busy()}
+    self.files: list[CopyFile] = []
+    self._gen = [0] * len(sizes)
+    self._lock = threading.Lock()
+    self._bounce = Buffers()
+    self.read_bytes = self.write_bytes = 0
+
+  def need(self) -> list[int]:
+    """Bytes the files take in each directory.
+
+    Returns:
+      One figure per directory.
+    """
+    out = [0] * len(self.dirs)
+    for u, lay in enumerate(self.layouts):
+      out[u % len(self.dirs)] += lay.file_bytes
+    return out
+
+  def open(self) -> None:
+    """Creates (or truncates) every file.
+
+    Raises:
+      DiskStateError: a file cannot be created.
+    """
+    for u, lay in enumerate(self.layouts):
+      path = os.path.join(self.dirs[u % len(self.dirs)], COPY_PATTERN.format(u))
+      self.files.append(CopyFile(path, u, os.urandom(16), lay))
+
+  def write(self, u: int, copy) -> None:
+    """Replaces a unit's copy (the caller orders it before the copy's next read).
+
+    Args:
+      u: the unit.
+      copy: its new flat compute-dtype copy (a host array).
+
+    Raises:
+      DiskStateError: the write failed.
+    """
+    arr = np.asarray(copy)
+    with self._lock:
+      gen = self._gen[u] + 1
+    with self._bounce(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
+      self.files[u].write([arr], gen, bounce)
+    with self._lock:
+      self._gen[u] = gen
+      self.write_bytes += self.layouts[u].file_bytes
+
+  def read(self, u: int) -> np.ndarray:
+    """A unit's copy, in a fresh buffer of its own (the caller may hand it to a
+    transfer that reads it later).
+
+    Args:
+      u: the unit.
+
+    Returns:
+      The flat copy.
+
+    Raises:
+      DiskStateError: the file is damaged, short, or not this run's latest write.
+    """
+    with self._lock:
+      gen = self._gen[u]
+    lay = self.layouts[u]
+    with self.busy["read"](), self.busy["any"]():
+      (out,) = self.files[u].read(gen, buffer=aligned_buffer(lay.data_bytes))
+    with self._lock:
+      self.read_bytes += lay.file_bytes
+    return out
+
+  def file_bytes(self) -> int:
+    """Bytes of the files.
+
+    Returns:
+      Their total.
+    """
+    return sum(lay.file_bytes for lay in self.layouts)

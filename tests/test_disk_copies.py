@@ -1,0 +1,168 @@
+"""Streaming copies on disk (`EngineConfig(stream_copy="disk")`): with the disk tier,
+each unit's compute-dtype copy in a file beside its state, read at each fetch and
+rewritten after each update, so RAM holds no copy of the model.
+
+It must give the bits of the copies kept in RAM, hold none of them in RAM, read one
+copy per fetch and write one per update, survive a restore, and stop with the
+copy file's path when one is damaged.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import megatrain_jax as mt
+from megatrain_jax import checkpoint as ckpt_lib
+from megatrain_jax import planner
+from megatrain_jax.engine.host import copies, disk, disk_copies, disk_support
+from megatrain_jax.models.config import preset
+from megatrain_jax.optim import adamw
+
+from conftest import TINY, random_batch
+
+CFG = TINY.replace(n_layers=3)
+BATCHES = [random_batch(CFG, 4, 16, seed=s) for s in range(4)]
+SETTINGS = {"model": CFG.to_dict()}
+
+
+def _copies_on_disk(path, **kw):
+  return mt.EngineConfig(state_tier="disk", state_dir=str(path), stream_copy="disk", **kw)
+
+
+def _run(ec, tx, batches=BATCHES):
+  with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), tx(), ec) as eng:
+    losses = [eng.step(b)["loss"] for b in batches]
+    eng.wait()
+    return losses, eng.params(), eng.stats()
+
+
+def _same(a, b):
+  return all(np.array_equal(x, y) for x, y in
+             zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
+
+
+@pytest.mark.parametrize("tx, kw", [
+    (lambda: mt.optim.adamw(1e-2, weight_decay=0.1), {}),
+    (lambda: mt.optim.adamw(1e-2), {"grad_accum": 2, "compute_dtype": jnp.bfloat16}),
+    (lambda: optax.lion(1e-3), {"host_threads": 1}),
+    (lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), {}),
+], ids=["fused_adamw", "grad_accum2_bf16", "optax_lion", "whole_tree"])
+def test_copies_on_disk_give_the_bits_of_copies_in_ram(tmp_path, tx, kw):
+  want_losses, want, _ = _run(mt.EngineConfig(stream_copy="keep", **kw), tx)
+  losses, got, st = _run(_copies_on_disk(tmp_path, **kw), tx)
+  assert losses == want_losses
+  assert _same(got, want)
+  assert st["stream_copy"] == "disk" and st["stream_bytes"] == 0  # none in RAM
+  d = st["disk"]
+  # One copy file per unit, written when built and after each step's update.
+  cd = jnp.dtype(kw.get("compute_dtype", jnp.float32)).itemsize
+  assert st["param_count"] * cd <= d["copy_file_bytes"]
+  assert d["copy_write_bytes"] == (len(BATCHES) + 1) * d["copy_file_bytes"]
+  # Every unit is fetched at least once a micro-batch, each fetch a read of its file.
+  assert d["copy_read_bytes"] > kw.get("grad_accum", 1) * len(BATCHES) * d["copy_file_bytes"]
+  assert set(os.listdir(tmp_path)) <= {disk_support.LOCK_NAME}  # removed on close
+
+
+def test_each_fetch_reads_its_units_copy_file_once(tmp_path):
+  # The copies on disk are read exactly where copies kept in RAM are fetched.
+  reads, fetches = [], []
+  read, to_device = disk_copies.CopyFiles.read, copies.UnitStore.to_device
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(disk_copies.CopyFiles, "read", lambda self, u: (reads.append(u),
+                                                                read(self, u))[1])
+    mp.setattr(copies.UnitStore, "to_device", lambda self, u: (fetches.append(u),
+                                                               to_device(self, u))[1])
+    for ec in (mt.EngineConfig(stream_copy="keep"), _copies_on_disk(tmp_path)):
+      with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
+                               ec) as eng:
+        eng.step(BATCHES[0])
+        eng.wait()
+      if not reads:
+        in_ram, fetches[:] = list(fetches), []
+  assert reads == fetches[:len(reads)] and len(reads) >= len(in_ram) - 1
+  assert reads[:len(in_ram) - 1] == in_ram[:-1]  # the last: the next step's, if in time
+  assert sorted(set(reads)) == list(range(CFG.n_layers + 2))
+
+
+def test_a_checkpoint_restores_into_copies_on_disk(tmp_path):
+  (tmp_path / "state").mkdir()
+  make = lambda ec, seed: mt.StreamingTrainer.from_config(CFG, mt.optim.adamw(1e-2), ec,
+                                                          jax.random.key(seed))
+  with make(mt.EngineConfig(), 0) as a:
+    a.step(BATCHES[0])
+    mgr = ckpt_lib.CheckpointManager(str(tmp_path / "ckpt"))
+    mgr.save(a, SETTINGS)
+    mgr.wait()
+    want = [a.step(b)["loss"] for b in BATCHES[1:]]
+    final = a.params()
+  with make(_copies_on_disk(tmp_path / "state"), 1) as b:
+    ckpt_lib.CheckpointManager(str(tmp_path / "ckpt")).restore_latest(b, SETTINGS)
+    # The restore rewrote every copy from the restored masters.
+    assert [b.step(x)["loss"] for x in BATCHES[1:]] == want
+    assert _same(b.params(), final)
+
+
+def test_a_damaged_copy_file_stops_training_naming_it(tmp_path):
+  eng = mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
+                            _copies_on_disk(tmp_path))
+  try:
+    eng.step(BATCHES[0])
+    eng.wait()
+    path = tmp_path / disk_copies.COPY_PATTERN.format(2)
+    with open(path, "r+b") as f:
+      f.seek(disk.PAGE + 5)
+      byte = f.read(1)
+      f.seek(disk.PAGE + 5)
+      f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(disk.DiskStateError,
+                       match=f"streaming copy file {path}.*does not match its checksum"):
+      eng.step(BATCHES[1])
+  finally:
+    try:
+      eng.close()
+    except disk.DiskStateError:
+      pass
+
+
+def test_free_space_counts_the_copy_files_and_bad_configs_are_refused(tmp_path,
+                                                                      monkeypatch):
+  with pytest.raises(ValueError, match="stream_copy='disk' .* set state_tier='disk'"):
+    mt.EngineConfig(stream_copy="disk")
+  asked, figures = [], []
+  real = disk_support.check_space
+  monkeypatch.setattr("megatrain_jax.engine.host.disk_store.check_space",
+                      lambda dirs, need: (asked.append(sum(need)), real(dirs, need)))
+  for ec in (_copies_on_disk(tmp_path), mt.EngineConfig(state_tier="disk",
+                                                        state_dir=str(tmp_path))):
+    with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
+                             ec) as eng:
+      figures.append(eng.stats()["disk"])
+  # The check before anything is written asked for the state and the copies.
+  assert asked == [figures[0]["file_bytes"] + figures[0]["copy_file_bytes"],
+                   figures[1]["file_bytes"]]
+  assert "copy_file_bytes" not in figures[1]
+
+
+def test_the_plan_for_123b_on_a_workstation_fits_with_the_copies_on_disk():
+  cfg, hw = preset("123b").replace(max_seq_len=4096), planner.PROFILES["workstation"]
+  ec = lambda copies: mt.EngineConfig(state_tier="disk", state_dir="x", host_threads=16,
+                                      stream_copy=copies, compute_dtype=jnp.bfloat16)
+  ram, files = (planner.plan(cfg, adamw(1e-4), ec(c), hw, 1, 4096) for c in ("keep", "disk"))
+  n = sum(planner.cost.sizes.unit_sizes(cfg))
+  # In RAM, the bf16 copies alone nearly fill the host; on disk, RAM holds 4 units'.
+  assert not ram.fits and ram.host["pinned_copies"] >= 2 * n
+  assert files.fits and files.host["pinned_copies"] == 0
+  assert files.host["total"] < 0.5 * hw.host_bytes
+  assert files.disk["copy files"] == 2 * n and ram.disk["copy files"] == 0
+  # Each step reads every copy at each fetch and writes each once; the drives' time
+  # grows by those bytes.
+  read, written = files.disk["read per step"], files.disk["written per step"]
+  assert written - ram.disk["written per step"] == 2 * n
+  assert read - ram.disk["read per step"] == planner.cost.step_bytes(cfg, ec("disk"))["h2d"]
+  assert files.times["disk"] > ram.times["disk"] and files.bottleneck == "disk"
+  assert "disk (copy files)" in files.table()
