@@ -1,6 +1,7 @@
 """Training with the optimizer state on disk, on a model whose state does not fit RAM.
 
   python experiments/beyond_ram.py --state_dir=/nvme/state          # 2x this machine's RAM
+  python experiments/beyond_ram.py --state_dir=/nvme/state --stream_copy=disk  # copies too
   python experiments/beyond_ram.py --state_dir=/nvme/state --ram_factor=0.5 \\
       --checkpoint_dir=/nvme/ckpt                                   # and resume from a save
 
@@ -45,6 +46,8 @@ flags.DEFINE_integer("seq_len", 64, "Tokens of the one sequence a step trains on
 flags.DEFINE_string("checkpoint_dir", None, "Save after the steps, then resume from it.")
 flags.DEFINE_float("state_piece_mb", EngineConfig.state_piece_mb, "MiB of master in a piece "
                    "of a unit's state streamed through its update.", lower_bound=1e-3)
+flags.DEFINE_enum("stream_copy", "auto", ["auto", "disk"], "Where the bf16 copies live: "
+                  "auto (RAM), or disk (files beside the state, read at each fetch).")
 FLAGS = flags.FLAGS
 
 WIDTH = LlamaConfig(vocab_size=260, d_model=3072, n_layers=1, n_heads=24, n_kv_heads=8,
@@ -70,7 +73,7 @@ def main(argv):
   logging.info("%s", launch.describe())
   cfg, opt = sized(FLAGS.ram_factor), adamw(1e-4)
   ec = EngineConfig(compute_dtype=jnp.bfloat16, state_tier="disk", state_dir=FLAGS.state_dir,
-                    state_piece_mb=FLAGS.state_piece_mb)
+                    state_piece_mb=FLAGS.state_piece_mb, stream_copy=FLAGS.stream_copy)
   in_ram = memory.host_bytes(cfg, opt, EngineConfig(compute_dtype=jnp.bfloat16))
   logging.info("Model: %d layers, %.2fB parameters; its state in RAM would take %.1f GiB "
                "(masters %.1f, optimizer state %.1f) on a machine with %.1f GiB.",

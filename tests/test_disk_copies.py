@@ -166,3 +166,22 @@ def test_the_plan_for_123b_on_a_workstation_fits_with_the_copies_on_disk():
   assert read - ram.disk["read per step"] == planner.cost.step_bytes(cfg, ec("disk"))["h2d"]
   assert files.times["disk"] > ram.times["disk"] and files.bottleneck == "disk"
   assert "disk (copy files)" in files.table()
+
+
+def test_auto_puts_the_copies_on_disk_only_where_ram_is_short(tmp_path, monkeypatch):
+  from megatrain_jax.engine import platform
+  got = {}
+  for free in (1 << 40, 1 << 20):  # a machine with room for them, one without
+    monkeypatch.setattr(platform, "available_host_bytes", lambda free=free: free)
+    with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
+                             mt.EngineConfig(state_tier="disk",
+                                             state_dir=str(tmp_path))) as eng:
+      got[free] = eng.stats()["stream_copy"]
+  assert got == {1 << 40: "keep", 1 << 20: "disk"}
+  # The planner decides the same way for the machine it plans.
+  cfg, hw = preset("123b").replace(max_seq_len=4096), planner.PROFILES["workstation"]
+  auto = lambda model: planner.plan(model, adamw(1e-4), mt.EngineConfig(
+      state_tier="disk", state_dir="x", compute_dtype=jnp.bfloat16), hw, 1, 4096)
+  assert auto(cfg).fits and auto(cfg).disk["copy files"] > 0
+  small = preset("7b").replace(max_seq_len=4096)
+  assert auto(small).fits and auto(small).disk["copy files"] == 0

@@ -122,7 +122,8 @@ class EngineConfig:
       "pinned host memory), on_fetch (cast from the fp32 master at each fetch), disk "
       "(with state_tier=disk: one file per unit beside its state, read at each fetch, "
       "so RAM holds no copy of the model), auto (on_fetch on the CPU backend, keep on "
-      "an accelerator; keep with state_tier=disk).", choices=STREAM_COPIES)
+      "an accelerator; with state_tier=disk, keep, or disk where the run would not "
+      "fit this machine's available RAM with them kept).", choices=STREAM_COPIES)
   host_threads: int | None = _field(
       None, "Threads of the fused host AdamW, each on its own part of every unit "
       "(None: one per CPU this process may use).", low=1)

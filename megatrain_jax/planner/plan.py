@@ -277,6 +277,7 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
   if batch_size % devices:
     raise ValueError(f"A batch of {batch_size} does not split over {hosts} host(s) x "
                      f"{per_host} device(s): make it a multiple of {devices}.")
+  ec = _copy_tier(cfg, optimizer, ec, hw, batch_size, seq_len, hosts)
   options = {}
   for m in RECOMPUTE:
     e = _evaluate(cfg, optimizer, dataclasses.replace(
@@ -324,6 +325,16 @@ def fastest(options: dict[str, tuple[bool, float]]) -> str | None:
   return min(fitting, key=fitting.get) if fitting else None
 
 
+def _copy_tier(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int):
+  """`ec` with `stream_copy="auto"` of the disk tier decided: on disk where the copies
+  in RAM would not fit the host and on disk they do (else kept in RAM)."""
+  if ec.state_tier != "disk" or ec.stream_copy != "auto":
+    return ec
+  on_disk = dataclasses.replace(ec, stream_copy="disk")
+  fit = lambda e: _evaluate(cfg, optimizer, e, hw, batch_size, seq_len, hosts).fits
+  return on_disk if not fit(ec) and fit(on_disk) else ec
+
+
 class _Evaluation(NamedTuple):
   device: dict[str, int]
   fits: bool
@@ -366,34 +377,3 @@ def _evaluate(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int,
           and sum(cost.disk_figures(cfg, ec, files=True).values())
           <= hw.disk_drives * hw.disk_bytes)
   return _Evaluation(dev, fits, step, t, bottleneck, host)
-
-
-# What a long sequence needs, tried in order when the model as given does not fit:
-# attention in blocks (cuDNN's fused kernel on a GPU in bf16), then the feed-forward
-# in chunks too. Each fills only settings the model leaves unset.
-LONG_CONTEXT = ({"attention_block": 1024}, {"attention_block": 1024, "mlp_chunk": 8192})
-
-
-def fit_compute(cfg: LlamaConfig, ec, hw: Hardware, batch_size: int, seq_len: int
-                ) -> LlamaConfig:
-  """The model with the first compute settings under which a step fits `hw`.
-
-  Args:
-    cfg: the model.
-    ec: the engine config (its `activations="auto"` is decided for each candidate).
-    hw: the hardware profile.
-    batch_size: sequences per step.
-    seq_len: tokens per sequence.
-
-  Returns:
-    `cfg` if it fits, else the first of `LONG_CONTEXT` applied to it that does
-    (the last one if none does).
-  """
-  candidates = [cfg] + [cfg.replace(**{k: v for k, v in c.items() if getattr(cfg, k) is None})
-                        for c in LONG_CONTEXT]
-  for c in candidates:
-    dev = device_total(c, ec, batch_size, seq_len, hw.flash_attention, hw.device_bytes)
-    if dev["total"] <= hw.device_bytes:
-      return c
-  return candidates[-1]
-
