@@ -92,12 +92,13 @@ def main(argv):
     trainer.wait()
     store.flush()
     dt, after, last = time.perf_counter() - t0, store.io_stats(), trainer.stats()["last_step"]
-    logging.info("step %d: loss %.4f, %.1f s; disk busy %.1f s (%.1f GiB read, %.1f GiB "
-                 "written); fetches issued %.1f s; gradient thread %.1f s (its wait for "
-                 "the compute included); host update %.1f s; peak RSS %.2f GiB", i + 1,
-                 float(out["loss"]), dt, after["busy_s"] - before["busy_s"],
-                 (after["read_bytes"] - before["read_bytes"]) / 2**30,
-                 (after["write_bytes"] - before["write_bytes"]) / 2**30,
+    moved = lambda k: (after.get(k, 0) - before.get(k, 0)) / 2**30
+    logging.info("step %d: loss %.4f, %.1f s; disk busy %.1f s (state: %.1f GiB read, %.1f "
+                 "GiB written; copies: %.1f GiB read, %.1f GiB written); fetches issued "
+                 "%.1f s; gradient thread %.1f s (its wait for the compute included); host "
+                 "update %.1f s; peak RSS %.2f GiB", i + 1, float(out["loss"]), dt,
+                 after["busy_s"] - before["busy_s"], moved("read_bytes"),
+                 moved("write_bytes"), moved("copy_read_bytes"), moved("copy_write_bytes"),
                  last["h2d_s"], last["d2h_s"], last["host_opt_s"], peak_rss_bytes() / 2**30)
     if not np.isfinite(float(out["loss"])):
       raise FloatingPointError(f"Loss {float(out['loss'])} at step {i + 1}.")
