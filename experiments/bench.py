@@ -12,8 +12,9 @@ Profiles run only when named: `templates`, the per-layer calls alone,
 `host_optimizer_profile`, where the host AdamW's time goes (`--opt_slab` sets its
 piece size, `--host_chunk` the in-place loop's chunk in both host-optimizer parts),
 `attention`, dense against blockwise attention by sequence length (where
-`attention_block="auto"` switches), `planner`, `scale_out`, and `disk_tier`, the disk
-tier against the host tier (`--state_dir` puts its files on the disk to measure).
+`attention_block="auto"` switches), `planner`, `scale_out`, `disk_tier`, the disk
+tier against the host tier (`--state_dir` puts its files on the disk to measure), and
+`disk_copies`, the disk tier with its copies on disk against them in RAM.
 The process restarts once, before it imports JAX, with malloc asking for transparent
 huge pages (see `megatrain_jax/launch.py`); `MEGATRAIN_HUGE_PAGES=0` measures without.
 """

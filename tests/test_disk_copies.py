@@ -188,3 +188,29 @@ def test_auto_puts_the_copies_on_disk_only_where_ram_is_short(tmp_path, monkeypa
   assert auto(cfg).fits and auto(cfg).disk["copy files"] > 0
   small = preset("7b").replace(max_seq_len=4096)
   assert auto(small).fits and auto(small).disk["copy files"] == 0
+
+
+def test_the_copies_bench_part(monkeypatch, tmp_path):
+  from megatrain_jax import bench
+  from megatrain_jax.bench import disk as bench_disk
+  rounds = []
+
+  def fake_median_times(fns, warmup, reps, settle=0):
+    rounds.append((sorted(fns), settle))
+    for fn in fns.values():
+      fn()  # each trainer steps once: the one with the copies in files reads them
+    return {"kept": 2.0, "files": 2.2}
+
+  monkeypatch.setattr(bench_disk, "median_times", fake_median_times)
+  monkeypatch.setattr(bench_disk, "host_memory_run", lambda model, copy, state_dir: (
+      {"host_bytes_per_param": 1.5 if copy == "disk" and os.path.isdir(state_dir) else 9}))
+  s = bench.Suite(model=CFG, batch_size=2, seq_len=8, warmup=1, reps=1,
+                  state_dir=str(tmp_path))
+  out = bench_disk.disk_copies(s)
+  assert rounds == [(["files", "kept"], 2)]
+  assert out["disk_copies_over_kept_step"] == pytest.approx(1.1)
+  assert out["host_bytes_per_param_disk_copies"] == 1.5
+  # One step's copies: read at each fetch, each written once.
+  assert out["disk_copy_write_bytes_per_step"] > 0
+  assert out["disk_copy_read_bytes_per_step"] > out["disk_copy_write_bytes_per_step"] / 4
+  assert not os.listdir(tmp_path)  # its files removed

@@ -128,3 +128,42 @@ def disk_tier(s: Suite) -> dict[str, Any]:
       "host_bytes_per_param_disk_tier": rss["host_bytes_per_param"],
       "disk_rss_peak_bytes": rss["rss_peak_bytes"],
   }
+
+
+def disk_copies(s: Suite) -> dict[str, Any]:
+  """The disk tier with the streaming copies in files too (`stream_copy="disk"`)
+  against the same tier with them in RAM, timed side by side on the benchmark model,
+  and the host bytes per parameter of such a run of the host-memory model.
+
+  Args:
+    s: the sizes (`state_dir`, as `disk_tier`).
+
+  Returns:
+    "disk_copies_over_kept_step" (reported, no goal), the two step times, the
+    copies' bytes read and written per step, and "host_bytes_per_param_disk_copies".
+  """
+  cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
+  root = s.state_dir or tempfile.gettempdir()
+  dirs = [tempfile.mkdtemp(prefix="megatrain-copies-bench-", dir=root) for _ in range(3)]
+  try:
+    make = lambda d, copies: StreamingTrainer(
+        Llama(cfg, rngs=nnx.Rngs(0)), adamw(1e-4),
+        EngineConfig(state_tier="disk", state_dir=d, stream_copy=copies))
+    with make(dirs[0], "keep") as kept, make(dirs[1], "disk") as files:
+      timed = {k: lambda e=e: (e.step(batch), e.wait(), e.host_optimizer.store.flush())
+               for k, e in (("kept", kept), ("files", files))}
+      before = files.stats()["disk"]
+      t = median_times(timed, s.warmup, s.reps, settle=2)
+      after = files.stats()["disk"]
+    rss = host_memory_run(s.rss_model, "disk", state_dir=dirs[2])
+  finally:
+    for d in dirs:
+      shutil.rmtree(d, ignore_errors=True)
+  steps = s.warmup + 3 * s.reps
+  return {"disk_copies_over_kept_step": t["files"] / t["kept"],
+          "disk_copies_step_time_s": t["files"], "disk_kept_copies_step_time_s": t["kept"],
+          "disk_copy_read_bytes_per_step":
+              (after["copy_read_bytes"] - before["copy_read_bytes"]) / steps,
+          "disk_copy_write_bytes_per_step":
+              (after["copy_write_bytes"] - before["copy_write_bytes"]) / steps,
+          "host_bytes_per_param_disk_copies": rss["host_bytes_per_param"]}

@@ -25,16 +25,18 @@ def parts() -> dict[str, Callable[[Suite], dict[str, Any]]]:
           "host_optimizer_profile": host_optimizer.host_optimizer_profile,
           "planner": planner.planner_accuracy, "scale_out": scale_out.scale_out,
           "lora": lora.lora_ratios, "attention": attention.attention_crossover,
-          "disk_tier": disk.disk_tier}
+          "disk_tier": disk.disk_tier, "disk_copies": disk.disk_copies}
 
 
 # The parts behind the goals; "templates", "host_optimizer_profile", "planner"
 # (the plan's step time against a measured one), "scale_out" (4 CPU devices in a
-# child process), "attention" (the dense/blockwise crossover) and "disk_tier" (the disk
-# tier; its goals hold on a disk of the speed docs/performance.md names) run on request.
+# child process), "attention" (the dense/blockwise crossover), "disk_tier" (the disk
+# tier; its goals hold on a disk of the speed docs/performance.md names) and
+# "disk_copies" (its copies on disk too; reported only) run on request.
 DEFAULT_PARTS = ("steps", "link", "host_optimizer", "host_memory", "lora")
 PART_NAMES = ("steps", "link", "host_optimizer", "host_memory", "lora", "templates",
-              "host_optimizer_profile", "planner", "scale_out", "attention", "disk_tier")
+              "host_optimizer_profile", "planner", "scale_out", "attention", "disk_tier",
+              "disk_copies")
 
 
 def run_suite(s: Suite, names: tuple[str, ...] = DEFAULT_PARTS,
