@@ -231,6 +231,10 @@ def run(tc: TrainConfig, dc: distributed.DistributedConfig | None = None
                "" if dataset.non_padding is None else
                f", packed to {100 * dataset.non_padding:.1f}% non-padding tokens",
                "" if held_out is None else f", {len(held_out.windows)} held out", tc.trainer)
+  if tc.trainer == "streaming":  # the disk tier's copies in RAM or on disk, decided once
+    tc = dataclasses.replace(tc, engine=preflight_lib.resolve_stream_copy(
+        cfg, make_optimizer(tc), tc.engine, tc.host_memory_limit_bytes,
+        tc.batch_size // count, tc.seq_len, tc.trainable()))
   preflight(dataclasses.replace(tc, batch_size=tc.batch_size // count), cfg)
   os.makedirs(tc.workdir, exist_ok=True)
   trainer = make_trainer(tc, cfg)

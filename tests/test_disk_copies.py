@@ -34,8 +34,9 @@ def _copies_on_disk(path, **kw):
   return mt.EngineConfig(state_tier="disk", state_dir=str(path), stream_copy="disk", **kw)
 
 
-def _run(ec, tx, batches=BATCHES):
-  with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), tx(), ec) as eng:
+def _run(ec, tx, batches=BATCHES, trainable=None):
+  kw = {} if trainable is None else {"trainable": trainable}
+  with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), tx(), ec, **kw) as eng:
     losses = [eng.step(b)["loss"] for b in batches]
     eng.wait()
     return losses, eng.params(), eng.stats()
@@ -51,10 +52,19 @@ def _same(a, b):
     (lambda: mt.optim.adamw(1e-2), {"grad_accum": 2, "compute_dtype": jnp.bfloat16}),
     (lambda: optax.lion(1e-3), {"host_threads": 1}),
     (lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), {}),
-], ids=["fused_adamw", "grad_accum2_bf16", "optax_lion", "whole_tree"])
+    (lambda: mt.optim.adamw(1e-2), {"stream_embed_head": False, "trainable": "frozen"}),
+], ids=["fused_adamw", "grad_accum2_bf16", "optax_lion", "whole_tree",
+        "resident_embed_head_frozen_layer"])
 def test_copies_on_disk_give_the_bits_of_copies_in_ram(tmp_path, tx, kw):
-  want_losses, want, _ = _run(mt.EngineConfig(stream_copy="keep", **kw), tx)
-  losses, got, st = _run(_copies_on_disk(tmp_path, **kw), tx)
+  # The last case: the embedding and head stay on the device (refreshed from their
+  # files after each update), and the first block's attention is frozen (its elements
+  # in the copy files, written once, never updated).
+  kw = dict(kw)
+  frozen = kw.pop("trainable", None)
+  trainable = (lambda path: path[:3] != ("blocks", 0, "attn")) if frozen else None
+  want_losses, want, _ = _run(mt.EngineConfig(stream_copy="keep", **kw), tx,
+                              trainable=trainable)
+  losses, got, st = _run(_copies_on_disk(tmp_path, **kw), tx, trainable=trainable)
   assert losses == want_losses
   assert _same(got, want)
   assert st["stream_copy"] == "disk" and st["stream_bytes"] == 0  # none in RAM
@@ -172,10 +182,10 @@ def test_the_plan_for_123b_on_a_workstation_fits_with_the_copies_on_disk():
 
 
 def test_auto_puts_the_copies_on_disk_only_where_ram_is_short(tmp_path, monkeypatch):
-  from megatrain_jax.engine import platform
+  from megatrain_jax.engine.plan import preflight
   got = {}
   for free in (1 << 40, 1 << 20):  # a machine with room for them, one without
-    monkeypatch.setattr(platform, "available_host_bytes", lambda free=free: free)
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda free=free: free)
     with mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
                              mt.EngineConfig(state_tier="disk",
                                              state_dir=str(tmp_path))) as eng:
@@ -214,3 +224,55 @@ def test_the_copies_bench_part(monkeypatch, tmp_path):
   assert out["disk_copy_write_bytes_per_step"] > 0
   assert out["disk_copy_read_bytes_per_step"] > out["disk_copy_write_bytes_per_step"] / 4
   assert not os.listdir(tmp_path)  # its files removed
+
+
+def test_the_launcher_decides_where_the_copies_go_knowing_the_batch(tmp_path, caplog):
+  from megatrain_jax import train as train_lib
+  from megatrain_jax.engine.plan import memory
+  common = dict(steps=3, batch_size=4, seq_len=32, max_data_bytes=200_000, log_every=1,
+                progress=False, model="tiny")
+  tc = lambda d, ec, **kw: train_lib.TrainConfig(workdir=str(tmp_path / d),
+                                                 engine=ec, **common, **kw)
+  on_disk = lambda copies: mt.EngineConfig(state_tier="disk", state_dir=str(tmp_path),
+                                           stream_copy=copies)
+  cfg, opt = tc("x", on_disk("auto")).model_config(), train_lib.make_optimizer(tc("x", None))
+  # What the run needs with the copies in RAM and on disk, batch and device included
+  # (the "device" is host memory here); a limit between the two.
+  need = {c: memory.host_bytes(cfg, opt, on_disk(c), batch_size=4, seq_len=32)["total"]
+          + memory.device_bytes(cfg, on_disk(c), 4, 32)["total"] for c in ("keep", "disk")}
+  assert need["disk"] < need["keep"]
+  limit = (need["disk"] + need["keep"]) // 2
+  with caplog.at_level("WARNING"):
+    got = train_lib.run(tc("a", on_disk("auto"), host_memory_limit_bytes=limit))
+  assert "they go to files beside the state" in caplog.text
+  want = train_lib.run(tc("b", mt.EngineConfig(stream_copy="keep")))
+  assert [r["loss"] for r in got] == [r["loss"] for r in want]
+
+
+def test_a_failed_copy_write_is_the_error_the_run_stops_with(tmp_path, monkeypatch):
+  real = disk_copies.CopyFile.write
+
+  def full_after_build(self, arrays, generation, bounce):
+    if generation > 1:  # an update's copy, not the build's: half written, then full
+      with open(self.path, "r+b") as f:
+        f.seek(disk.PAGE)
+        f.write(b"\xff" * 64)
+      raise disk.DiskStateError(28, f"Writing the streaming copy of unit {self.unit} to "
+                                f"{self.path} failed: No space left on device.")
+    return real(self, arrays, generation, bounce)
+
+  monkeypatch.setattr(disk_copies.CopyFile, "write", full_after_build)
+  eng = mt.StreamingTrainer(mt.Llama(CFG, rngs=nnx.Rngs(0)), mt.optim.adamw(1e-2),
+                            _copies_on_disk(tmp_path))
+  try:
+    with pytest.raises(disk.DiskStateError, match="No space left on device") as info:
+      for b in BATCHES:
+        eng.step(b)
+      eng.wait()
+    assert "checksum" not in str(info.value)
+  finally:
+    try:
+      eng.close()
+    except disk.DiskStateError:
+      pass
+  assert set(os.listdir(tmp_path)) <= {disk_support.LOCK_NAME}

@@ -10,7 +10,6 @@ import optax
 from absl import logging
 from flax import nnx
 
-from megatrain_jax.engine import platform
 from megatrain_jax.engine.host import malloc
 from megatrain_jax.engine.plan import memory, preflight, sizes
 from megatrain_jax.engine.config import EngineConfig
@@ -118,7 +117,9 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
       masters.append(specs[-1].split_np(tree, frozen_dtype))
       del tree
     _check_count(len(specs), cfg.n_layers)
-  on_disk = _copies_on_disk(cfg, optimizer, ec)
+  # The disk tier's "auto": in RAM where they fit it (the launcher decides it first,
+  # knowing the batch; here, without it).
+  on_disk = preflight.resolve_stream_copy(cfg, optimizer, ec).stream_copy == "disk"
   keep = on_disk or sizes.keeps_stream_copy(ec, on_cpu=transport.device.platform == "cpu")
   updater = resolution.make(transport.host_device, ec.host_threads, ec.host_chunk)
   if ec.state_tier == "disk":
@@ -141,24 +142,6 @@ def build(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec: EngineC
   templates = Templates(cfg, specs[0], specs[1:-1], specs[-1],
                         ec.compute_dtype, ec.loss_chunk_tokens, ec.recompute, policy)
   return schedule, templates, Runtime(ec, schedule, host_opt, transport, keep, grad_hook)
-
-
-def _copies_on_disk(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
-                    ec: EngineConfig) -> bool:
-  """Whether the streaming copies go to files: `stream_copy="disk"`, or "auto" on the
-  disk tier where, kept in RAM, the run would need more than this machine has
-  available (the planner's count, every parameter trained: `memory.host_bytes`)."""
-  if ec.stream_copy != "auto" or ec.state_tier != "disk":
-    return ec.stream_copy == "disk"
-  need, free = memory.host_bytes(cfg, optimizer, ec, on_cpu=False)["total"], \
-      platform.available_host_bytes()
-  if need <= free:
-    return False
-  logging.warning("stream_copy auto: with the compute-dtype copies in RAM the run needs "
-                  "%.1f GiB and %.1f GiB are available, so they go to files beside the "
-                  "state (stream_copy='disk'; each fetch reads one). Set "
-                  "stream_copy='keep' to keep them in RAM.", need / 2**30, free / 2**30)
-  return True
 
 
 def abstract_units(cfg: LlamaConfig) -> list[Any]:

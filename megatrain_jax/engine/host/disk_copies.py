@@ -16,13 +16,15 @@ it closes; a checkpoint never holds them.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from typing import Sequence
 
 import numpy as np
 
-from megatrain_jax.engine.host.disk import CHUNK, FileLayout, UnitFile, aligned_buffer
+from megatrain_jax.engine.host.disk import CHUNK, DiskStateError, FileLayout, UnitFile, \
+    aligned_buffer
 from megatrain_jax.engine.host.disk_support import Buffers, Busy
 
 COPY_PATTERN = "copy_{:05d}.mtcopy"
@@ -56,6 +58,7 @@ class CopyFiles:
     self.busy = busy or {"read": Busy(), "write": Busy(), "any": Busy()}
     self.files: list[CopyFile] = []
     self._gen = [0] * len(sizes)
+    self._failed: dict[int, BaseException] = {}  # units whose last write failed
     self._lock = threading.Lock()
     self._bounce = Buffers()
     self.read_bytes = self.write_bytes = 0
@@ -94,8 +97,13 @@ class CopyFiles:
     arr = np.asarray(copy)
     with self._lock:
       gen = self._gen[u] + 1
-    with self._bounce(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
-      self.files[u].write([arr], gen, bounce)
+    try:
+      with self._bounce(CHUNK) as bounce, self.busy["write"](), self.busy["any"]():
+        self.files[u].write([arr], gen, bounce)
+    except BaseException as e:
+      with self._lock:
+        self._failed[u] = e  # its next read says why, not that the file is damaged
+      raise
     with self._lock:
       self._gen[u] = gen
       self.write_bytes += self.layouts[u].file_bytes
@@ -111,10 +119,15 @@ class CopyFiles:
       The flat copy.
 
     Raises:
-      DiskStateError: the file is damaged, short, or not this run's latest write.
+      DiskStateError: the file is damaged, short, or not this run's latest write, or
+        its last write failed.
     """
     with self._lock:
-      gen = self._gen[u]
+      gen, failed = self._gen[u], self._failed.get(u)
+    if failed is not None:
+      raise DiskStateError(getattr(failed, "errno", None) or errno.EIO,
+                           f"The streaming copy of unit {u} in {self.files[u].path} was not "
+                           f"written ({failed}); resume from the last checkpoint.") from failed
     lay = self.layouts[u]
     with self.busy["read"](), self.busy["any"]():
       (out,) = self.files[u].read(gen, buffer=aligned_buffer(lay.data_bytes))

@@ -75,13 +75,19 @@ class DiskStore(PieceUpdates, DiskFigures, HostStore):
     for u, lay in enumerate(self.layouts):
       need[u % len(self.dirs)] += lay.file_bytes
     check_space(self.dirs, need)
-    self._locks = [lock_dir(d) for d in self.dirs]
-    self._files = [UnitFile(os.path.join(self.dirs[u % len(self.dirs)], FILE_PATTERN.format(u)),
-                            u, os.urandom(16), self.layouts[u]) for u in range(n)]
-    if self.copies is not None:
-      self.copies.open()
+    self._locks, self._files = [], []  # filled below; released by the finalizer
     self._finalizer = weakref.finalize(self, remove_files, self._files, self._locks,
                                        [] if self.copies is None else self.copies.files)
+    try:
+      self._locks.extend(lock_dir(d) for d in self.dirs)
+      self._files.extend(UnitFile(os.path.join(self.dirs[u % len(self.dirs)],
+                                               FILE_PATTERN.format(u)),
+                                  u, os.urandom(16), self.layouts[u]) for u in range(n))
+      if self.copies is not None:
+        self.copies.open()
+    except BaseException:
+      self._finalizer()  # no files or locks left behind
+      raise
     self._gen = [0] * n
     self._cv = threading.Condition()
     self._ready: dict[int, UnitState] = {}  # in RAM and current

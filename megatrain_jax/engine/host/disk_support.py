@@ -140,13 +140,14 @@ def check_space(dirs: Sequence[str], need: Sequence[int]) -> None:
       raise DiskStateError(13, f"The state directory {d} is not writable: set state_dir "
                            "to a directory this process may write.")
     # Files of an earlier run in it are replaced, so their bytes count as free.
-    old = sum(os.path.getsize(f) for f in glob.glob(os.path.join(d, "unit_*.mtstate")))
+    old = sum(os.path.getsize(f) for pattern in ("unit_*.mtstate", "copy_*.mtcopy")
+              for f in glob.glob(os.path.join(d, pattern)))
     free = shutil.disk_usage(d).free + old
     if n > free:
       raise DiskStateError(28, f"The state directory {d} needs {n / 2**30:.2f} GiB for "
-                           f"the optimizer state and has {free / 2**30:.2f} GiB free. Free "
-                           "space, or name more directories (comma-separated) to stripe "
-                           "over.")
+                           f"the optimizer state (and the copies, with stream_copy='disk') "
+                           f"and has {free / 2**30:.2f} GiB free. Free space, or name more "
+                           "directories (comma-separated) to stripe over.")
 
 
 def lock_dir(d: str) -> int:

@@ -8,10 +8,12 @@ budget check raises the same message (`device_budget_error`).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import jax
 import optax
+from absl import logging
 
 from megatrain_jax.engine.plan import pinned
 from megatrain_jax.engine.config import EngineConfig
@@ -63,6 +65,44 @@ def device_budget_error(where: str, need: dict[str, int], limit: int,
       "(device_budget_bytes).")
 
 
+def resolve_stream_copy(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
+                        ec: EngineConfig, host_limit: int | None = None,
+                        batch_size: int | None = None, seq_len: int | None = None,
+                        trainable=None) -> EngineConfig:
+  """`ec` with the disk tier's `stream_copy="auto"` decided: "keep" (the copies in
+  RAM) where the run fits the host with them, else "disk" (logged). Other configs
+  come back as they are.
+
+  Args:
+    cfg: the model.
+    optimizer: the transform the run uses.
+    ec: the engine config.
+    host_limit: host bytes available (default: `available_host_bytes()`).
+    batch_size: sequences per step; with `seq_len`, the activation checkpoints sent
+      to host memory count too.
+    seq_len: tokens per sequence.
+    trainable: as `check_fits`.
+
+  Returns:
+    The engine config.
+  """
+  if ec.state_tier != "disk" or ec.stream_copy != "auto":
+    return ec
+  kept = dataclasses.replace(ec, stream_copy="keep")
+  need = host_bytes(cfg, optimizer, kept, batch_size=batch_size, seq_len=seq_len,
+                    trainable=trainable)["total"]
+  if batch_size is not None and on_cpu_backend():  # the "device" is host memory
+    need += device_bytes(cfg, kept, batch_size, seq_len)["total"]
+  limit = available_host_bytes() if host_limit is None else host_limit
+  if need <= limit:
+    return kept
+  logging.warning("stream_copy auto: with the compute-dtype copies in RAM the run needs "
+                  "%.1f GiB and %.1f GiB are available, so they go to files beside the "
+                  "state (stream_copy='disk'; each fetch reads one). Set "
+                  "stream_copy='keep' to keep them in RAM.", need / GiB, limit / GiB)
+  return dataclasses.replace(ec, stream_copy="disk")
+
+
 def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                ec: EngineConfig | None, batch_size: int, seq_len: int,
                host_limit: int | None = None, device_limit: int | None = None,
@@ -111,7 +151,8 @@ def check_fits(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
            else "")
         + f"), but only {host_limit / GiB:.2f} GiB is available. Train a smaller model, "
         "use bfloat16 compute (halves the pinned copies) or EngineConfig(stream_copy="
-        "'on_fetch') (none kept), keep grad_accum=1 with an "
+        + ("'disk') (the copies in files too)" if ec is not None and ec.state_tier == "disk"
+           else "'on_fetch') (none kept)") + ", keep grad_accum=1 with an "
         "element-wise optimizer such as AdamW (no gradient accumulators), or use a "
         "machine with more RAM.")
   limit = (ec.device_budget_bytes if ec is not None else None) or device_limit \
