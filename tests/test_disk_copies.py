@@ -178,6 +178,12 @@ def test_the_plan_for_123b_on_a_workstation_fits_with_the_copies_on_disk():
   assert written - ram.disk["written per step"] == 2 * n
   assert read - ram.disk["read per step"] == planner.cost.step_bytes(cfg, ec("disk"))["h2d"]
   assert files.times["disk"] > ram.times["disk"] and files.bottleneck == "disk"
+  # The prefetch thread reads each copy before it sends it, and the update thread
+  # writes each new one after its update: in turn, on the same thread.
+  rate = lambda what: hw.disk_drives * getattr(hw, f"disk_{what}_bytes_per_s")
+  assert files.times["h2d"] == pytest.approx(ram.times["h2d"] + (read - ram.disk[
+      "read per step"]) / rate("read"))
+  assert files.times["host_opt"] == pytest.approx(ram.times["host_opt"] + 2 * n / rate("write"))
   assert "disk (copy files)" in files.table()
 
 

@@ -198,7 +198,8 @@ def times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
     Seconds of "compute", "h2d", "d2h", "host_opt" and "collectives"; with
     `state_tier="disk"`, also "disk": reading and then writing every unit's master
     and AdamW moments (12 bytes per parameter each way) over the drives, and the
-    copies' files with them (`disk_step_bytes`).
+    copies' files with them (`disk_step_bytes`); with the copies on disk, "h2d"
+    includes reading each fetch's copy and "host_opt" writing each new copy.
 
   Raises:
     ValueError: the disk tier on a profile that states no drives.
@@ -223,6 +224,10 @@ def times(cfg, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int = 1
                        "disk tier's time is unknown: choose a profile with drives "
                        "(workstation) or state_tier='host'.")
     read, written = disk_step_bytes(cfg, ec)
-    out["disk"] = read / (hw.disk_drives * hw.disk_read_bytes_per_s) + written / (
-        hw.disk_drives * hw.disk_write_bytes_per_s)
+    rate_r = hw.disk_drives * hw.disk_read_bytes_per_s
+    rate_w = hw.disk_drives * hw.disk_write_bytes_per_s
+    out["disk"] = read / rate_r + written / rate_w
+    if disk_copy_bytes(cfg, ec):  # a fetch reads its copy, then sends it; an update
+      out["h2d"] += b["h2d"] / rate_r  # writes its new copy after it: each in turn,
+      out["host_opt"] += disk_copy_bytes(cfg, ec) / rate_w  # on the same thread
   return out
