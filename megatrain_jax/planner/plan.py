@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import optax
 
 from megatrain_jax.engine.config import RECOMPUTE
-from megatrain_jax.engine.plan import memory, sizes, workspace
+from megatrain_jax.engine.plan import memory, preflight, sizes, workspace
 from megatrain_jax.engine.plan import pinned as pinned_lib
 from megatrain_jax.metrics import model_flops_per_token
 from megatrain_jax.models import layers
@@ -277,7 +277,9 @@ def plan(cfg: LlamaConfig, optimizer: optax.GradientTransformation, ec, hw: Hard
   if batch_size % devices:
     raise ValueError(f"A batch of {batch_size} does not split over {hosts} host(s) x "
                      f"{per_host} device(s): make it a multiple of {devices}.")
-  ec = _copy_tier(cfg, optimizer, ec, hw, batch_size, seq_len, hosts)
+  # The disk tier's stream_copy "auto", as the engine decides it on this host.
+  ec = preflight.resolve_stream_copy(cfg, optimizer, ec, hw.host_bytes, batch_size // hosts,
+                                     seq_len, on_cpu=hw.shared)
   options = {}
   for m in RECOMPUTE:
     e = _evaluate(cfg, optimizer, dataclasses.replace(
@@ -323,16 +325,6 @@ def fastest(options: dict[str, tuple[bool, float]]) -> str | None:
   """
   fitting = {m: t for m, (ok, t) in options.items() if ok}
   return min(fitting, key=fitting.get) if fitting else None
-
-
-def _copy_tier(cfg, optimizer, ec, hw: Hardware, batch_size: int, seq_len: int, hosts: int):
-  """`ec` with `stream_copy="auto"` of the disk tier decided: on disk where the copies
-  in RAM would not fit the host and on disk they do (else kept in RAM)."""
-  if ec.state_tier != "disk" or ec.stream_copy != "auto":
-    return ec
-  on_disk = dataclasses.replace(ec, stream_copy="disk")
-  fit = lambda e: _evaluate(cfg, optimizer, e, hw, batch_size, seq_len, hosts).fits
-  return on_disk if not fit(ec) and fit(on_disk) else ec
 
 
 class _Evaluation(NamedTuple):

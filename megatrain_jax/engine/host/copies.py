@@ -38,7 +38,7 @@ class UnitStore:
     self.host_opt, self.transport, self.cd = host_opt, transport, compute_dtype
     self.keep_copy, self.ledger = keep_copy, ledger
     self._lock = threading.Lock()
-    self.files = getattr(host_opt.store, "copies", None) if keep_copy else None
+    self.files = host_opt.store.copies if keep_copy else None
     self._stream = ([transport.stage(host_opt.stream_copy(u))
                      for u in range(len(host_opt.store.specs))]
                     if keep_copy and self.files is None else None)

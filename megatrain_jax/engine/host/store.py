@@ -137,6 +137,7 @@ class StateStore(abc.ABC):
 
 class HostStore(CheckpointParts, StateStore):
   """Every unit's state in host RAM (CPU-backend arrays), made and updated in place."""
+  copies = None  # the streaming copies' files, where a store keeps them (`DiskStore`)
 
   def __init__(self, updater: UnitUpdater, specs: Sequence[FlatSpec],
                masters: Sequence[Any], host_device: jax.Device, frozen_dtype=jnp.float32):

@@ -68,7 +68,7 @@ def device_budget_error(where: str, need: dict[str, int], limit: int,
 def resolve_stream_copy(cfg: LlamaConfig, optimizer: optax.GradientTransformation,
                         ec: EngineConfig, host_limit: int | None = None,
                         batch_size: int | None = None, seq_len: int | None = None,
-                        trainable=None) -> EngineConfig:
+                        trainable=None, on_cpu: bool | None = None) -> EngineConfig:
   """`ec` with the disk tier's `stream_copy="auto"` decided: "keep" (the copies in
   RAM) where the run fits the host with them, else "disk" (logged). Other configs
   come back as they are.
@@ -82,6 +82,7 @@ def resolve_stream_copy(cfg: LlamaConfig, optimizer: optax.GradientTransformatio
       to host memory count too.
     seq_len: tokens per sequence.
     trainable: as `check_fits`.
+    on_cpu: the device's memory is the host's (default: this process's backend).
 
   Returns:
     The engine config.
@@ -91,8 +92,8 @@ def resolve_stream_copy(cfg: LlamaConfig, optimizer: optax.GradientTransformatio
   kept = dataclasses.replace(ec, stream_copy="keep")
   need = host_bytes(cfg, optimizer, kept, batch_size=batch_size, seq_len=seq_len,
                     trainable=trainable)["total"]
-  if batch_size is not None and on_cpu_backend():  # the "device" is host memory
-    need += device_bytes(cfg, kept, batch_size, seq_len)["total"]
+  if batch_size is not None and (on_cpu_backend() if on_cpu is None else on_cpu):
+    need += device_bytes(cfg, kept, batch_size, seq_len)["total"]  # host memory too
   limit = available_host_bytes() if host_limit is None else host_limit
   if need <= limit:
     return kept
