@@ -1,7 +1,7 @@
 """The accelerator check: link bandwidth by source kind and d2h path, the cuDNN attention
 kernel against the blockwise one, streaming vs resident, the largest model host RAM
-holds, generation resident vs streamed, and the cost of making the streaming copy at
-each fetch.
+holds, generation resident vs streamed, the disk tier's copies on disk against kept,
+and the cost of making the streaming copy at each fetch.
 
   bash experiments/gpu_check.sh            # on the GPU machine; writes $OUT/gpu_check.json
   python experiments/gpu_check.py --quick --out=/tmp/g.json   # tiny sizes, any machine
@@ -176,6 +176,23 @@ def generation(cfg: LlamaConfig, rows: int, prompt_len: int, new_tokens: int) ->
           "gen_streamed_equals_resident": out["resident"].tokens == out["streamed"].tokens}
 
 
+def disk_copies(cfg: LlamaConfig, steps: int = 3) -> dict:
+  """The disk tier with the streaming copies in files (read at each fetch, staged into
+  pinned memory and sent) against them kept in pinned memory: the same losses, bf16
+  compute, on this machine's accelerator."""
+  import tempfile  # pylint: disable=import-outside-toplevel
+  batch = bench.synthetic_batch(cfg, 2, 64)
+  losses = {}
+  for mode in ("keep", "disk"):
+    with tempfile.TemporaryDirectory() as d, StreamingTrainer.from_config(
+        cfg, adamw(1e-4), EngineConfig(compute_dtype=jnp.bfloat16, state_tier="disk",
+                                       state_dir=d, stream_copy=mode),
+        jax.random.key(0)) as eng:
+      losses[mode] = [float(eng.step(batch)["loss"]) for _ in range(steps)]
+  return {"disk_copies_losses": losses["disk"],
+          "disk_copies_equal_kept": losses["disk"] == losses["keep"]}
+
+
 def main(argv):
   del argv
   logging.set_verbosity(logging.INFO)
@@ -204,6 +221,9 @@ def main(argv):
   out.update(generation(fits, 4 if quick else 32, 8 if quick else 128,
                         4 if quick else 64))
   logging.info("generation: %s", {k: v for k, v in out.items() if k.startswith("gen_")})
+  save(out)
+  out.update(disk_copies(TINY))
+  logging.info("copies on disk: %s", {k: v for k, v in out.items() if "disk_copies" in k})
   save(out)
   # Last, so that a run cut short by the time limit still has the figures above.
   copies = stream_copy_cost(fits, suite.batch_size, suite.seq_len, suite.reps)

@@ -178,6 +178,7 @@ def test_gpu_check_script_runs_in_quick_mode(tmp_path):
               "fits_stream_over_resident_remat", "fits_on_fetch_over_keep",
               "big_tokens_per_s", "big_mfu"):
     assert d[key] > 0, key
+  assert d["disk_copies_equal_kept"] is True and len(d["disk_copies_losses"]) == 3
 
 
 def test_steady_step_times_times_the_second_step_of_each_turn(monkeypatch):
