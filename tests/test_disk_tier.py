@@ -309,8 +309,9 @@ def test_disk_bench_formulas(monkeypatch, tmp_path):
 
   monkeypatch.setattr(bench_disk, "median_times", fake_median_times)
   monkeypatch.setattr(bench_disk, "disk_seconds", lambda layouts, d, threads: (1.5, 1.5))
-  monkeypatch.setattr(bench_disk, "host_memory_run", lambda model, copy, state_dir: (
-      {"host_bytes_per_param": 3.0, "rss_peak_bytes": 7, "state_dir": state_dir}))
+  monkeypatch.setattr(bench_disk, "host_memory_run", lambda model, copy, state_dir,
+                      grad_accum=1: {"host_bytes_per_param": 3.0 + grad_accum,
+                                     "rss_peak_bytes": 7, "state_dir": state_dir})
   out = bench_disk.disk_tier(bench.Suite(model=CFG, batch_size=2, seq_len=8, warmup=1, reps=1,
                                          state_dir=str(tmp_path)))
   assert rounds == [(["disk", "host"], 2)]
@@ -321,7 +322,8 @@ def test_disk_bench_formulas(monkeypatch, tmp_path):
   assert out["disk_raw_gb_per_s"] == pytest.approx(2 * out["disk_bytes"] / 3.0 / 1e9)
   assert 0 < out["disk_achieved_gb_per_s"] and out["disk_io_efficiency"] == pytest.approx(
       out["disk_achieved_gb_per_s"] / out["disk_raw_gb_per_s"])
-  assert out["host_bytes_per_param_disk_tier"] == 3.0
+  assert out["host_bytes_per_param_disk_tier"] == 4.0
+  assert out["host_bytes_per_param_disk_tier_accum2"] == 5.0
   assert out["disk_bytes"] > 0 and not os.listdir(tmp_path)  # its files removed
 
 

@@ -80,7 +80,8 @@ def disk_tier(s: Suite) -> dict[str, Any]:
     "disk_over_host_step"; "disk_io_efficiency": the bytes the steps read and wrote
     over the time the disk was busy with them, over the raw rate; the goal of the
     first, 1.15 x max(1, disk time / step time in RAM) ("disk_over_host_goal");
-    "host_bytes_per_param_disk_tier"; and the rates and times behind them.
+    "host_bytes_per_param_disk_tier", and the same with grad_accum 2
+    ("..._accum2", reported); and the rates and times behind them.
   """
   cfg, batch = s.model, synthetic_batch(s.model, s.batch_size, s.seq_len)
   root = s.state_dir or tempfile.gettempdir()
@@ -110,6 +111,8 @@ def disk_tier(s: Suite) -> dict[str, Any]:
   rss_dir = tempfile.mkdtemp(prefix="megatrain-disk-rss-", dir=root)
   try:
     rss = host_memory_run(s.rss_model, "auto", state_dir=rss_dir)
+    # With micro-batches, each unit's fp32 gradient accumulator stays in RAM.
+    accum = host_memory_run(s.rss_model, "auto", state_dir=rss_dir, grad_accum=2)
   finally:
     shutil.rmtree(rss_dir, ignore_errors=True)
   return {
@@ -126,6 +129,7 @@ def disk_tier(s: Suite) -> dict[str, Any]:
       "disk_read_misses_per_step": delta["read_misses"] / steps,
       "disk_bytes": total,
       "host_bytes_per_param_disk_tier": rss["host_bytes_per_param"],
+      "host_bytes_per_param_disk_tier_accum2": accum["host_bytes_per_param"],
       "disk_rss_peak_bytes": rss["rss_peak_bytes"],
   }
 

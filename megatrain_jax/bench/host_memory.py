@@ -50,13 +50,13 @@ def peak_rss_bytes() -> int:
 
 def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto",
                       lora_rank: int | None = None, layer_factor: int = 1,
-                      state_dir: str | None = None) -> dict[str, Any]:
+                      state_dir: str | None = None, grad_accum: int = 1) -> dict[str, Any]:
   """Run in a fresh process: peak RSS of training `model_name`, per parameter.
 
-  Trains the preset on a synthetic batch of one 64-token sequence, in bf16, with
-  AdamW; the baseline is the resident memory once the backend is up. With
-  `lora_rank`, adapters of that rank on every projection train and the base is
-  frozen (kept in bf16); the figure is then per parameter of the base.
+  Trains the preset on a synthetic batch of `grad_accum` 64-token sequences (one a
+  micro-batch), in bf16, with AdamW; the baseline is the resident memory once the
+  backend is up. With `lora_rank`, adapters of that rank on every projection train
+  and the base is frozen (kept in bf16); the figure is then per parameter of the base.
 
   Args:
     model_name: the model preset.
@@ -65,6 +65,7 @@ def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
     lora_rank: train LoRA adapters of this rank only (None: every weight).
     layer_factor: the preset with this many times its layers.
     state_dir: keep the optimizer state there (the disk tier; None: in RAM).
+    grad_accum: micro-batches a step (their gradients accumulate in RAM).
 
   Returns:
     {"host_bytes_per_param", "rss_model", "rss_param_count", "rss_peak_bytes",
@@ -76,10 +77,10 @@ def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
   kw = {}
   if lora_rank is not None:
     cfg, kw = cfg.replace(lora=LoraConfig(rank=lora_rank)), {"trainable": nnx.LoRAParam}
-  batch = synthetic_batch(cfg, 1, 64)
+  batch = synthetic_batch(cfg, grad_accum, 64)
   jax.block_until_ready(jnp.zeros(1) + 1)  # backend up before the baseline
   base = rss_bytes()
-  ec = EngineConfig(compute_dtype=jnp.bfloat16, stream_copy=stream_copy,
+  ec = EngineConfig(compute_dtype=jnp.bfloat16, stream_copy=stream_copy, grad_accum=grad_accum,
                     **({} if state_dir is None else {"state_tier": "disk",
                                                      "state_dir": state_dir}))
   with StreamingTrainer.from_config(cfg, adamw(1e-4), ec, jax.random.key(0), **kw) as eng:
@@ -92,7 +93,8 @@ def host_memory_child(model_name: str, steps: int = 2, stream_copy: str = "auto"
 
 
 def host_memory_run(model_name: str, stream_copy: str, lora_rank: int | None = None,
-                    layer_factor: int = 1, state_dir: str | None = None) -> dict[str, Any]:
+                    layer_factor: int = 1, state_dir: str | None = None,
+                    grad_accum: int = 1) -> dict[str, Any]:
   """Runs `host_memory_child` in a fresh Python process and reads back its figures.
 
   Args:
@@ -101,6 +103,7 @@ def host_memory_run(model_name: str, stream_copy: str, lora_rank: int | None = N
     lora_rank: as `host_memory_child`.
     layer_factor: as `host_memory_child`.
     state_dir: as `host_memory_child`.
+    grad_accum: as `host_memory_child`.
 
   Returns:
     The child's figures.
@@ -111,7 +114,8 @@ def host_memory_run(model_name: str, stream_copy: str, lora_rank: int | None = N
   code = ("import json, sys; from megatrain_jax.bench import host_memory as m; "
           "json.dump(m.host_memory_child("
           f"{model_name!r}, stream_copy={stream_copy!r}, lora_rank={lora_rank!r}, "
-          f"layer_factor={layer_factor!r}, state_dir={state_dir!r}), open(sys.argv[1], 'w'))")
+          f"layer_factor={layer_factor!r}, state_dir={state_dir!r}, "
+          f"grad_accum={grad_accum!r}), open(sys.argv[1], 'w'))")
   return child_figures(["-c", code], "host-memory")
 
 
