@@ -53,8 +53,9 @@ def _same(a, b):
     (lambda: optax.lion(1e-3), {"host_threads": 1}),
     (lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.adam(1e-2)), {}),
     (lambda: mt.optim.adamw(1e-2), {"stream_embed_head": False, "trainable": "frozen"}),
+    (lambda: mt.optim.adamw(1e-2), {"nonfinite": "skip"}),
 ], ids=["fused_adamw", "grad_accum2_bf16", "optax_lion", "whole_tree",
-        "resident_embed_head_frozen_layer"])
+        "resident_embed_head_frozen_layer", "updates_after_the_sweep"])
 def test_copies_on_disk_give_the_bits_of_copies_in_ram(tmp_path, tx, kw):
   # The last case: the embedding and head stay on the device (refreshed from their
   # files after each update), and the first block's attention is frozen (its elements
