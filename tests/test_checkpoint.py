@@ -281,12 +281,14 @@ def uninterrupted(tmp_path_factory):
 
 
 def _tier_args(workdir, tier):
-  """The disk tier's flags (its state files in the run's own directory), or none."""
+  """The disk tier's flags (its state files in the run's own directory; "disk_copies":
+  the streaming copies there too), or none."""
   if tier == "host":
     return []
   os.makedirs(os.path.join(workdir, "state"), exist_ok=True)
   return ["--config.engine.state_tier=disk",
-          f"--config.engine.state_dir={os.path.join(workdir, 'state')}"]
+          f"--config.engine.state_dir={os.path.join(workdir, 'state')}",
+          *(["--config.engine.stream_copy=disk"] if tier == "disk_copies" else [])]
 
 
 def _start(workdir, env_extra=None, tier="host"):
@@ -319,6 +321,7 @@ def _rerun_and_compare(workdir, uninterrupted, resumed_from, tier="host"):
                      capture_output=True, text=True, timeout=300)
   assert r.returncode == 0, r.stderr[-3000:]
   assert f"Resumed from step {resumed_from} " in r.stderr
+  assert ("streaming copies on disk" in r.stderr) == (tier == "disk_copies")
   got = {rec["step"]: rec["loss"] for rec in read_metrics(os.path.join(workdir, "metrics.jsonl"))}
   assert sorted(got) == list(range(1, 31))
   after = [s for s in got if s > resumed_from]
@@ -342,7 +345,7 @@ def test_sigkill_while_saving_then_resume(tmp_path, uninterrupted, tier):
   _rerun_and_compare(tmp_path, uninterrupted, resumed_from=10, tier=tier)
 
 
-@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("tier", ["host", "disk", "disk_copies"])
 def test_sigkill_between_saves_then_resume(tmp_path, uninterrupted, tier):
   ckpts = tmp_path / "checkpoints"
 
