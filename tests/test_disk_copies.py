@@ -86,8 +86,8 @@ def test_each_fetch_reads_its_units_copy_file_once(tmp_path):
   reads, fetches = [], []
   read, to_device = disk_copies.CopyFiles.read, copies.UnitStore.to_device
   with pytest.MonkeyPatch.context() as mp:
-    mp.setattr(disk_copies.CopyFiles, "read", lambda self, u: (reads.append(u),
-                                                                read(self, u))[1])
+    mp.setattr(disk_copies.CopyFiles, "read", lambda self, u, *a: (reads.append(u),
+                                                                    read(self, u, *a))[1])
     mp.setattr(copies.UnitStore, "to_device", lambda self, u: (fetches.append(u),
                                                                to_device(self, u))[1])
     for ec in (mt.EngineConfig(stream_copy="keep", prefetch_depth=0),
@@ -283,3 +283,29 @@ def test_a_failed_copy_write_is_the_error_the_run_stops_with(tmp_path, monkeypat
     except disk.DiskStateError:
       pass
   assert set(os.listdir(tmp_path)) <= {disk_support.LOCK_NAME}
+
+
+def test_reads_reuse_their_buffers_and_never_one_a_transfer_still_reads(tmp_path,
+                                                                       monkeypatch):
+  # A fresh buffer per read would fault its pages in at every fetch: the reads keep
+  # their buffers. On this backend staging takes the read's buffer as it is, so a
+  # buffer is reused only once the device copy made from it is ready: the bits of the
+  # copies kept in RAM show that no fetch read a buffer a later read overwrote.
+  import inspect
+  made = []
+  real = disk.aligned_buffer
+
+  def counted(n):  # the buffers made for the copies' reads
+    if any(f.function == "to_device" and f.filename.endswith("disk_copies.py")
+           for f in inspect.stack()):
+      made.append(n)
+    return real(n)
+
+  monkeypatch.setattr(disk_support, "aligned_buffer", counted)
+  want, _, _ = _run(mt.EngineConfig(stream_copy="keep"), lambda: mt.optim.adamw(1e-2))
+  losses, _, st = _run(_copies_on_disk(tmp_path), lambda: mt.optim.adamw(1e-2))
+  assert losses == want
+  fetches = st["disk"]["copy_read_bytes"] / (st["disk"]["copy_file_bytes"] / (CFG.n_layers + 2))
+  # Smaller units' reads take a larger kept buffer: at most one buffer per read at
+  # once, and per size on the way to the largest.
+  assert fetches > 20 and 0 < len(made) <= disk_copies.READ_BUFFERS + 2

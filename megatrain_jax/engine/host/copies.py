@@ -65,7 +65,7 @@ class UnitStore:
       file), or cast from its master.
     """
     if self.files is not None:
-      return self.transport.h2d(self.transport.stage(self.files.read(u)))
+      return self.files.to_device(u, self.transport)
     if self._stream is not None:
       return self.transport.h2d(self._stream[u])
     return self.transport.h2d_cast(self.host_opt.store.fetch_parts(u), self.cd)

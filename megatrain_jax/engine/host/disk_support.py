@@ -63,8 +63,16 @@ class Buffers:
   held after.
   """
 
-  def __init__(self, keep: int | None = None):
+  def __init__(self, keep: int | None = None, any_larger: bool = False):
+    """An empty pool.
+
+    Args:
+      keep: free buffers kept at most (None: all).
+      any_larger: a request may take any larger free buffer, not only one at most
+        twice its size (for reads of units of a few sizes, each as likely to come).
+    """
     self._lock, self._free, self._keep, self._in_use = threading.Lock(), [], keep, 0
+    self._most = float("inf") if any_larger else 2
 
   @contextlib.contextmanager
   def __call__(self, nbytes: int) -> Iterator[np.ndarray]:
@@ -78,7 +86,7 @@ class Buffers:
     """
     need = round_up(max(nbytes, 1))
     with self._lock:
-      fits = [i for i, b in enumerate(self._free) if need <= b.size <= 2 * need]
+      fits = [i for i, b in enumerate(self._free) if need <= b.size <= self._most * need]
       buf = self._free.pop(min(fits, key=lambda i: self._free[i].size)) if fits else None
     buf = aligned_buffer(need) if buf is None else buf
     with self._lock:
