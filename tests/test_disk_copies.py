@@ -309,3 +309,29 @@ def test_reads_reuse_their_buffers_and_never_one_a_transfer_still_reads(tmp_path
   # Smaller units' reads take a larger kept buffer: at most one buffer per read at
   # once, and per size on the way to the largest.
   assert fetches > 20 and 0 < len(made) <= disk_copies.READ_BUFFERS + 2
+
+
+def test_a_copy_whose_write_failed_is_never_read(tmp_path, monkeypatch):
+  # The end-to-end test above may stop on the update's error before any fetch reads
+  # the half-written file; here the read comes after the failed write, always.
+  files = disk_copies.CopyFiles([str(tmp_path)], [4096], np.float32,
+                                {k: disk_support.Busy() for k in ("read", "write", "any")})
+  files.open()
+  buf = disk.aligned_buffer(files.layouts[0].data_bytes)
+  files.write(0, np.arange(4096, dtype=np.float32))
+  np.testing.assert_array_equal(files.read(0, buf), np.arange(4096, dtype=np.float32))
+
+  def half_then_full(self, arrays, generation, bounce):
+    with open(self.path, "r+b") as f:  # its data half replaced, its header not
+      f.seek(disk.PAGE)
+      f.write(b"\xff" * 64)
+    raise disk.DiskStateError(28, "No space left on device.")
+
+  monkeypatch.setattr(disk_copies.CopyFile, "write", half_then_full)
+  with pytest.raises(disk.DiskStateError, match="No space"):
+    files.write(0, np.zeros(4096, np.float32))
+  with pytest.raises(disk.DiskStateError, match=r"streaming copy of unit 0 .* was not "
+                     r"written \(.*No space left on device"):
+    files.read(0, buf)
+  for f in files.files:
+    f.close()

@@ -24,9 +24,8 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from megatrain_jax.engine.host.disk import CHUNK, DiskStateError, FileLayout, UnitFile, \
-    aligned_buffer
-from megatrain_jax.engine.host.disk_support import Buffers, Busy
+from megatrain_jax.engine.host.disk import CHUNK, DiskStateError, FileLayout, UnitFile
+from megatrain_jax.engine.host.disk_support import Buffers, Busy, striped_path
 
 COPY_PATTERN = "copy_{:05d}.mtcopy"
 READ_BUFFERS = 2  # kept for reuse: a fetch's, and another thread's (a resident unit's)
@@ -59,18 +58,18 @@ class CopyFiles:
   """
 
   def __init__(self, dirs: Sequence[str], sizes: Sequence[int], dtype,
-               busy: dict[str, Busy] | None = None):
+               busy: dict[str, Busy]):
     """Lays out the files; nothing is created until `open`.
 
     Args:
-      dirs: the state directories (unit u's file goes to dirs[u % len(dirs)]).
+      dirs: the state directories (striped: `striped_path`).
       sizes: each unit's elements (trained and frozen).
       dtype: the compute dtype.
       busy: "read", "write" and "any" counters of the disk's busy time to add to.
     """
     self.dirs, self.dtype = list(dirs), np.dtype(dtype)
     self.layouts = [FileLayout.of([((int(n),), self.dtype.name)]) for n in sizes]
-    self.busy = busy or {"read": Busy(), "write": Busy(), "any": Busy()}
+    self.busy = busy
     self.files: list[CopyFile] = []
     self._gen = [0] * len(sizes)
     self._failed: dict[int, BaseException] = {}  # units whose last write failed
@@ -79,17 +78,6 @@ class CopyFiles:
     self._buffers = Buffers(keep=READ_BUFFERS, any_larger=True)  # the reads', reused
     self.read_bytes = self.write_bytes = 0
 
-  def need(self) -> list[int]:
-    """Bytes the files take in each directory.
-
-    Returns:
-      One figure per directory.
-    """
-    out = [0] * len(self.dirs)
-    for u, lay in enumerate(self.layouts):
-      out[u % len(self.dirs)] += lay.file_bytes
-    return out
-
   def open(self) -> None:
     """Creates (or truncates) every file.
 
@@ -97,8 +85,8 @@ class CopyFiles:
       DiskStateError: a file cannot be created.
     """
     for u, lay in enumerate(self.layouts):
-      path = os.path.join(self.dirs[u % len(self.dirs)], COPY_PATTERN.format(u))
-      self.files.append(CopyFile(path, u, os.urandom(16), lay))
+      self.files.append(CopyFile(striped_path(self.dirs, u, COPY_PATTERN), u,
+                                 os.urandom(16), lay))
 
   def write(self, u: int, copy) -> None:
     """Replaces a unit's copy (the caller orders it before the copy's next read).
@@ -124,12 +112,12 @@ class CopyFiles:
       self._gen[u] = gen
       self.write_bytes += self.layouts[u].file_bytes
 
-  def read(self, u: int, buffer: np.ndarray | None = None) -> np.ndarray:
+  def read(self, u: int, buffer: np.ndarray) -> np.ndarray:
     """A unit's copy.
 
     Args:
       u: the unit.
-      buffer: a page-aligned buffer to read into (None: a fresh one of its own).
+      buffer: a page-aligned buffer to read into, of at least its data's bytes.
 
     Returns:
       The flat copy (a view of the buffer).
@@ -145,7 +133,6 @@ class CopyFiles:
                            f"The streaming copy of unit {u} in {self.files[u].path} was not "
                            f"written ({failed}); resume from the last checkpoint.") from failed
     lay = self.layouts[u]
-    buffer = aligned_buffer(lay.data_bytes) if buffer is None else buffer
     with self.busy["read"](), self.busy["any"]():
       (out,) = self.files[u].read(gen, buffer=buffer)
     with self._lock:

@@ -27,7 +27,7 @@ from megatrain_jax.engine.host.disk import CHUNK, FILE_PATTERN, FileLayout, Unit
 from megatrain_jax.engine.host.disk_copies import CopyFiles
 from megatrain_jax.engine.host.disk_pieces import PieceUpdates
 from megatrain_jax.engine.host.disk_support import Buffers, Busy, DiskFigures, UpdateOrder, \
-    check_space, lock_dir, remove_files, state_dirs
+    check_space, lock_dir, remove_files, state_dirs, striped_bytes, striped_path
 from megatrain_jax.engine.host.flat import FlatSpec, split_master
 from megatrain_jax.engine.host.store import HostStore
 from megatrain_jax.engine.host.updaters import UnitState, UnitUpdater
@@ -71,18 +71,17 @@ class DiskStore(PieceUpdates, DiskFigures, HostStore):
     self.busy = {"read": Busy(), "write": Busy(), "any": Busy()}
     self.copies = (CopyFiles(self.dirs, [s.size for s in self.specs], copy_dtype, self.busy)
                    if copy_files else None)
-    need = [0] * len(self.dirs) if self.copies is None else self.copies.need()
-    for u, lay in enumerate(self.layouts):
-      need[u % len(self.dirs)] += lay.file_bytes
+    need = striped_bytes(self.dirs, self.layouts)
+    if self.copies is not None:
+      need = [a + b for a, b in zip(need, striped_bytes(self.dirs, self.copies.layouts))]
     check_space(self.dirs, need)
     self._locks, self._files = [], []  # filled below; released by the finalizer
     self._finalizer = weakref.finalize(self, remove_files, self._files, self._locks,
                                        [] if self.copies is None else self.copies.files)
     try:
       self._locks.extend(lock_dir(d) for d in self.dirs)
-      self._files.extend(UnitFile(os.path.join(self.dirs[u % len(self.dirs)],
-                                               FILE_PATTERN.format(u)),
-                                  u, os.urandom(16), self.layouts[u]) for u in range(n))
+      self._files.extend(UnitFile(striped_path(self.dirs, u, FILE_PATTERN), u,
+                                  os.urandom(16), self.layouts[u]) for u in range(n))
       if self.copies is not None:
         self.copies.open()
     except BaseException:

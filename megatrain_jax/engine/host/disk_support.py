@@ -11,7 +11,7 @@ import os
 import shutil
 import threading
 import time
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import jax
 import numpy as np
@@ -128,6 +128,36 @@ def state_dirs(state_dir: str | Sequence[str]) -> list[str]:
     raise ValueError("state_tier='disk' needs state_dir: a directory on a fast disk "
                      "(several, comma-separated, to stripe over drives).")
   return dirs
+
+
+def striped_path(dirs: Sequence[str], u: int, pattern: str) -> str:
+  """Unit u's file: the directories take the units in turn (striped).
+
+  Args:
+    dirs: the state directories.
+    u: the unit.
+    pattern: the file name, formatted with the unit.
+
+  Returns:
+    The path.
+  """
+  return os.path.join(dirs[u % len(dirs)], pattern.format(u))
+
+
+def striped_bytes(dirs: Sequence[str], layouts: Sequence[Any]) -> list[int]:
+  """Bytes each directory holds of one file per unit, striped as `striped_path`.
+
+  Args:
+    dirs: the state directories.
+    layouts: each unit's file layout (`FileLayout`).
+
+  Returns:
+    One figure per directory.
+  """
+  out = [0] * len(dirs)
+  for u, lay in enumerate(layouts):
+    out[u % len(dirs)] += lay.file_bytes
+  return out
 
 
 def check_space(dirs: Sequence[str], need: Sequence[int]) -> None:
