@@ -125,14 +125,32 @@ def test_step_ratio_formula(monkeypatch):
 
 
 def test_link_ratio_formulas(monkeypatch):
-  turns = []
+  turns, links = [], []
 
-  def steady(trainers, batch, warmup, reps):
+  def samples(trainers, batch, warmup, reps, before_turn):
     turns.append(list(trainers))
-    return {"compute": 2.0, "prefetch": 2.5, "none": 4.0, "deeper": 2.0, "host": 2.6}
+    marks = []
+    for _ in range(warmup + reps):
+      marks.append(before_turn())
+      links.append([t.gb_per_s for t in made])
+    # Three timed turns, their links set from backwards of 0.1, 0.2 and 0.1 s.
+    return ({"compute": [2.0, 2.0, 2.0], "prefetch": [2.5, 6.5, 2.5],
+             "none": [4.0, 13.0, 4.0], "deeper": [2.0, 6.0, 2.0],
+             "host": [2.6, 6.5, 2.6]}, marks[warmup:])
 
-  monkeypatch.setattr(link, "steady_step_times", steady)
-  monkeypatch.setattr(link, "layer_backward_time", lambda *a: 0.1)
+  backward_times = iter([0.05, 0.1, 0.1, 0.2, 0.1])  # the first, then each turn's
+
+  monkeypatch.setattr(link, "steady_step_samples", samples)
+  monkeypatch.setattr(link, "layer_backward_timer",
+                      lambda *a: lambda warmup, reps: next(backward_times))
+  made = []
+  real_link = link.SimulatedLink
+
+  def fake_link(gbps):
+    made.append(real_link(gbps))
+    return made[-1]
+
+  monkeypatch.setattr(link, "SimulatedLink", fake_link)
 
   class FakeTrainer:
     def __init__(self, *a, **k):
@@ -150,12 +168,18 @@ def test_link_ratio_formulas(monkeypatch):
 
   monkeypatch.setattr(link, "StreamingTrainer", FakeTrainer)
   out = link.link_ratios(bench.Suite(model=TINY, batch_size=2, seq_len=8))
-  # Link: 100 B per layer in 0.1 s = 1e-6 GB/s; 3000 B per step take 3 s > 2 s compute.
-  assert out["link_gb_per_s"] == pytest.approx(1e-6)
-  assert out["link_transfer_s"] == pytest.approx(3.0)
+  # Each turn resets every link from the backward timed then: 100 B per layer in
+  # 0.1 s = 1e-6 GB/s.
+  assert len(made) == 4
+  assert links == [[pytest.approx(1e-6)] * 4, [pytest.approx(1e-6)] * 4,
+                   [pytest.approx(5e-7)] * 4, [pytest.approx(1e-6)] * 4]
   # The step without the link takes its turns with the linked ones, not before them.
   assert turns == [["compute", "prefetch", "none", "deeper", "host"]]
+  # Per turn: 3000 B take 3 s (6 s at the slower link) against 2 s of compute.
+  assert out["link_transfer_s"] == pytest.approx(3.0)
+  assert out["link_layer_backward_s"] == pytest.approx(0.1)
   assert out["link_compute_s"] == 2.0
+  # Medians of each turn's ratio: 3/2.5, 6/6.5, 3/2.5.
   assert out["overlap_efficiency"] == pytest.approx(3.0 / 2.5)
   assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)
   assert out["overlap_efficiency_deeper_prefetch"] == pytest.approx(3.0 / 2.0)

@@ -88,12 +88,45 @@ def median_time(fn: Callable[[], Any], reps: int) -> float:
   return median_times({"fn": fn}, 1, reps)["fn"]
 
 
+def steady_step_samples(trainers: dict[str, Any], batch, warmup: int, reps: int,
+                        before_turn: Callable[[], Any] | None = None
+                        ) -> tuple[dict[str, list[float]], list[Any]]:
+  """Step times of each trainer in steady state, one per turn: the timed step starts
+  as the same trainer's previous step returns, so it overlaps that step's last
+  updates as in a training loop. The trainers take turns (one untimed step, one
+  timed, then `wait()` so the next trainer starts on a quiet machine).
+
+  Args:
+    trainers: name -> a trainer with `step(batch)` and `wait()`.
+    batch: the batch every step takes.
+    warmup: untimed turns first.
+    reps: timed turns.
+    before_turn: called before every turn (warm-up ones too), e.g. to measure
+      something the turn's figures are taken against at the same time as them.
+
+  Returns:
+    (name -> the timed turns' step seconds, what `before_turn` returned for each
+    timed turn).
+  """
+  times, marks = {k: [] for k in trainers}, []
+  for r in range(warmup + reps):
+    mark = before_turn() if before_turn is not None else None
+    for k, eng in trainers.items():
+      eng.step(batch)
+      t0 = time.perf_counter()
+      eng.step(batch)
+      dt = time.perf_counter() - t0
+      eng.wait()
+      if r >= warmup:
+        times[k].append(dt)
+    if r >= warmup:
+      marks.append(mark)
+  return times, marks
+
+
 def steady_step_times(trainers: dict[str, Any], batch, warmup: int, reps: int
                       ) -> dict[str, float]:
-  """Median step time of each trainer in steady state: the timed step starts as the
-  same trainer's previous step returns, so it overlaps that step's last updates as
-  in a training loop. The trainers take turns (one untimed step, one timed, then
-  `wait()` so the next trainer starts on a quiet machine).
+  """Median step time of each trainer in steady state (`steady_step_samples`).
 
   Args:
     trainers: name -> a trainer with `step(batch)` and `wait()`.
@@ -104,16 +137,7 @@ def steady_step_times(trainers: dict[str, Any], batch, warmup: int, reps: int
   Returns:
     name -> median seconds of the timed step.
   """
-  times = {k: [] for k in trainers}
-  for r in range(warmup + reps):
-    for k, eng in trainers.items():
-      eng.step(batch)
-      t0 = time.perf_counter()
-      eng.step(batch)
-      dt = time.perf_counter() - t0
-      eng.wait()
-      if r >= warmup:
-        times[k].append(dt)
+  times, _ = steady_step_samples(trainers, batch, warmup, reps)
   return {k: statistics.median(v) for k, v in times.items()}
 
 
