@@ -6,6 +6,7 @@ real run's ledger goes through the same totals and peaks at exactly the modelled
 figure, which the planner reports too; left free, it never passes it.
 """
 
+import dataclasses
 import time
 
 import jax
@@ -144,6 +145,26 @@ def test_start_buffers_stay_within_the_peak_without_them():
   assert stats["device_peak_bytes"] <= without.peak["total"]
 
 
+def test_turn_buffers_stay_within_the_peak_without_them():
+  # At the turn the head's call holds its buffers and no gradient is in flight yet:
+  # the backward's first fetches may use one more buffer without a higher peak.
+  cfg = TINY.replace(n_layers=8)
+  ec = mt.EngineConfig(transport=SlowGradients())
+  plan = memory.step_plan(cfg, ec, 2, 8)
+  without = memory.step_plan(cfg, mt.EngineConfig(turn_buffers=0), 2, 8)
+  s = plan.schedule
+  assert s.turn_buffers == 1 and s.turn_positions > 0
+  assert s.fetch_order[s.turn_start - 1] == s.head  # the backward's fetches follow it
+  assert s.limit(s.turn_start) == s.slots + 1 and without.schedule.limit(s.turn_start) == s.slots
+  assert plan.peak == without.peak
+  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
+    for seed in range(3):
+      eng.step(random_batch(cfg, 2, 8, seed=seed))
+    stats = eng.stats()
+  assert stats["turn_buffer_fetches"] > 0
+  assert stats["device_peak_bytes"] <= without.peak["total"]
+
+
 def test_no_start_buffers_without_prefetch():
   # prefetch_depth=0 means each fetch waits for the previous unit's compute: a
   # start buffer would let the forward's fetches run one unit ahead of it.
@@ -158,16 +179,19 @@ def test_no_start_buffers_without_prefetch():
   assert stats["device_peak_bytes"] <= memory.step_plan(cfg, ec, 2, 8).peak["total"]
 
 
-def test_fetches_ahead_leave_a_fused_tail_its_buffers():
+@pytest.mark.parametrize("turn", [0, 2])
+def test_fetches_ahead_leave_a_fused_tail_its_buffers(turn):
   # The head's update is late (deferred updates run in unit order, the head's last),
   # so the thread fetches the backward's layers ahead while the compute holds the
-  # last layer: it must leave the head a slot, or the step waits on itself.
+  # last layer: it must leave the head a slot, or the step waits on itself; also
+  # where those layers' positions have a turn buffer the head's does not.
   import threading
   from megatrain_jax.engine.device.ledger import Ledger
   from megatrain_jax.engine.device.prefetch import Prefetcher
   from megatrain_jax.engine.plan.schedule import Schedule
   cfg = TINY.replace(n_layers=4)
-  sched = Schedule.build(cfg, mt.EngineConfig())
+  sched = dataclasses.replace(Schedule.build(cfg, mt.EngineConfig()), turn_buffers=1,
+                              turn_positions=turn)
   assert sched.fused_tail and sched.tail_needs == {cfg.n_layers + 1: 2}
   head_ready, fetched = threading.Event(), []
 

@@ -180,6 +180,10 @@ class EngineConfig:
       1, "Extra parameter buffers the prefetcher may fill at a step's start, while "
       "the forward holds few activations; only as many as stay within the step's "
       "device peak are used (0: none; none either with prefetch_depth=0).", low=0)
+  turn_buffers: int = _field(
+      1, "Extra parameter buffers the prefetcher may fill for the backward's first "
+      "units while the head's call holds its own; only as many as stay within the "
+      "step's device peak are used (0: none; none either with prefetch_depth=0).", low=0)
 
   def __post_init__(self):
     object.__setattr__(self, "compute_dtype", DTYPES[dtype_name(self.compute_dtype)])

@@ -336,6 +336,7 @@ class Runtime:
             "state_tier": host_opt.store.tier, "disk": host_opt.store.io_stats(),
             "out_of_order_fetches": self.prefetcher.out_of_order,
             "start_buffer_fetches": self.prefetcher.start_buffer_fetches,
+            "turn_buffer_fetches": self.prefetcher.turn_buffer_fetches,
             "activations": self.last_plan and self.last_plan.activations,
             "host_checkpoint_groups": len(self.last_plan.sent_groups) if self.last_plan else 0,
             "activation_bytes_moved": dict(self.activations.bytes_moved),

@@ -88,6 +88,11 @@ class Prefetcher:
     """Fetches into a start buffer so far."""
     return self._slots.start_buffer_fetches
 
+  @property
+  def turn_buffer_fetches(self) -> int:
+    """Fetches into a turn buffer so far."""
+    return self._slots.turn_buffer_fetches
+
   # -- the thread --------------------------------------------------------------
 
   def _next(self):

@@ -22,7 +22,7 @@ from megatrain_jax.engine.config import MAX_PENDING_GRADIENTS, EngineConfig
 from megatrain_jax.engine.platform import accelerator_bytes, on_cpu_backend
 from megatrain_jax.engine.host.probe import resolve_for_config, trained_units
 from megatrain_jax.engine.plan.schedule import Schedule
-from megatrain_jax.engine.plan.step_plan import StepPlan
+from megatrain_jax.engine.plan.step_plan import StepPlan, largest_fitting
 from megatrain_jax.models import trainable as trainable_lib
 from megatrain_jax.models.config import LlamaConfig
 from megatrain_jax.models.loss import default_chunk_tokens
@@ -196,8 +196,9 @@ def step_plan(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,
   `device_checkpoints=None`, the last groups' inputs stay on the device as far as
   the peak with only the last one kept allows. Extra start buffers
   (`EngineConfig.step_start_buffers`) are granted to as many of a micro-batch's
-  first fetches as keep the peak where it is without them, and only with prefetch
-  (`prefetch_depth` > 0). `activations="auto"` is resolved by
+  first fetches as keep the peak where it is without them, and turn buffers
+  (`EngineConfig.turn_buffers`) likewise to the first fetches of its backward; both
+  only with prefetch (`prefetch_depth` > 0). `activations="auto"` is resolved by
   `resolve_activations` against the budget or the accelerator. On the CPU backend,
   with recompute "dots" or "none" and the checkpoints on the device, every layer's
   buffers stay on the device between steps (`pool.BufferPool`).
@@ -286,35 +287,14 @@ def _step_plan(cfg, ec, batch_size, seq_len, pooled, deferred, trains, packed) -
                 if u not in base.schedule.resident_units())
   # Without prefetch (depth 0) every fetch waits for the previous unit's compute:
   # a start buffer would let the forward's fetches run one unit ahead.
-  extras = ec.step_start_buffers if ec.prefetch_depth else 0
-  for extra in range(extras, 0, -1):
-    n = largest_fitting(lambda n: total(with_schedule(
-        start_buffers=extra, start_positions=n)) <= peak, 0, forward)
-    if n:
-      base = with_schedule(start_buffers=extra, start_positions=n)
-      break
+  base = base.with_extra_buffers(peak, ec.step_start_buffers if ec.prefetch_depth else 0,
+                                 "start", forward)
+  # Likewise at the turn: the head's call holds its buffers while the backward's
+  # first units wait for one, and no gradient is in flight yet.
+  base = base.with_extra_buffers(peak, ec.turn_buffers if ec.prefetch_depth else 0, "turn",
+                                 len(base.schedule.fetch_order) - base.schedule.turn_start)
   host_ckpts = sum(b.ckpt[g] for g in base.sent_groups)
   return dataclasses.replace(base, peak=base.simulate().peak, host_checkpoint_bytes=host_ckpts)
-
-
-def largest_fitting(fits, lo: int, hi: int) -> int:
-  """The largest n in [lo, hi] with fits(n), by bisection.
-
-  Args:
-    fits: a predicate true up to some n and false after it.
-    lo: a value it holds for.
-    hi: the largest value to try.
-
-  Returns:
-    That n.
-  """
-  if lo < hi and fits(hi):  # often all of it fits (start buffers far from the peak)
-    return hi
-  hi -= 1
-  while lo < hi:
-    mid = (lo + hi + 1) // 2
-    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-  return lo
 
 
 def device_bytes(cfg: LlamaConfig, ec: EngineConfig, batch_size: int,

@@ -274,4 +274,5 @@ def forward_schedule(s: Schedule) -> Schedule:
   if not s.streamed_ends:
     order = [u for u in order if u not in (s.embed, s.head)]
   return dataclasses.replace(s, fetch_order=tuple(order), fused_tail=False,
-                             start_positions=min(s.start_positions, len(order)))
+                             start_positions=min(s.start_positions, len(order)),
+                             turn_positions=0)

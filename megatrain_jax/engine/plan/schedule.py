@@ -36,6 +36,10 @@ class Schedule:
     start_buffers: extra buffers allowed for the first `start_positions` fetches of
       a micro-batch (see `memory.step_plan`, which sizes them to fit the peak).
     start_positions: how many of the first fetches may use them.
+    turn_buffers: extra buffers allowed for the first `turn_positions` fetches of a
+      micro-batch's backward, which run beside the head's call (see
+      `memory.step_plan`, which sizes them to fit the peak).
+    turn_positions: how many of the backward's first fetches may use them.
     device_checkpoints: with activations in host memory, the last groups whose
       input stays on the device (see `memory.step_plan`, which sizes it).
     fused_tail: the last layer's forward and backward run in the head's call
@@ -53,12 +57,14 @@ class Schedule:
   streamed_ends: bool
   start_buffers: int = 0
   start_positions: int = 0
+  turn_buffers: int = 0
+  turn_positions: int = 0
   device_checkpoints: int = 1
   fused_tail: bool = False
 
   @classmethod
   def build(cls, cfg: LlamaConfig, ec: EngineConfig) -> "Schedule":
-    """The schedule of `cfg` under `ec`, without start buffers.
+    """The schedule of `cfg` under `ec`, without start or turn buffers.
 
     Args:
       cfg: the model.
@@ -123,8 +129,9 @@ class Schedule:
       position: index into `fetch_order`.
 
     Returns:
-      `slots`, plus `start_buffers` for the first `start_positions` positions; at
-      a fused tail's fetches at least what its call holds (`tail_needs`).
+      `slots`, plus `start_buffers` for the first `start_positions` positions and
+      `turn_buffers` for `turn_positions` from `turn_start`; at a fused tail's
+      fetches at least what its call holds (`tail_needs`).
     """
     return self.limits[position] if position < len(self.limits) else self.slots
 
@@ -135,8 +142,19 @@ class Schedule:
     Returns:
       One limit per position.
     """
-    return tuple(max(self.slots + (self.start_buffers if q < self.start_positions else 0),
+    turn = range(self.turn_start, self.turn_start + self.turn_positions)
+    return tuple(max(self.slots + (self.start_buffers if q < self.start_positions else 0)
+                     + (self.turn_buffers if q in turn else 0),
                      self.tail_needs.get(q, 0)) for q in range(len(self.fetch_order)))
+
+  @property
+  def turn_start(self) -> int:
+    """The position in `fetch_order` of the backward's first fetch.
+
+    Returns:
+      The forward's fetches, with the head's and the tied embedding's.
+    """
+    return self.n_layers + (2 + self.tied if self.streamed_ends else 0)
 
   @functools.cached_property
   def tail_needs(self) -> dict[int, int]:

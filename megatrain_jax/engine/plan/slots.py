@@ -15,12 +15,14 @@ The rules, for the first position `n` of the job being fetched:
   (once the compute that used it is done); else wait for the compute to release one.
 - `n`'s unit is not ready: fetch the first ready unit further on, out of order, within
   the positions the in-order fetch could reach with its slots, keeping `hold` buffers
-  (more where a fused tail's fetch lies in between) for the units in order; reclaim
-  first if that needs a buffer; else wait.
+  (more where a fused tail's fetch lies in between) for the units in order, under the
+  lowest limit of the positions from `n` to it; reclaim first if that needs a buffer;
+  else wait.
 - At the end of a step (`draining`), every released buffer is reclaimed first.
 
 `limit(job, n)` is the job's own slot limit (`Schedule.limit`: slots, start buffers
-for a micro-batch's first fetches, a fused tail's needs), but a start buffer is
+for a micro-batch's first fetches, turn buffers for its backward's first, a fused
+tail's needs), but a start buffer is
 withheld until the compute of the job before is done (`job_done`).
 """
 
@@ -92,6 +94,7 @@ class Slots:
     self.job_ids = 0
     self.out_of_order = 0
     self.start_buffer_fetches = 0
+    self.turn_buffer_fetches = 0  # beyond the slots later in a job (no tail's need)
 
   def copy(self) -> "Slots":
     """An independent copy (the simulation weighs what-ifs on it).
@@ -142,8 +145,10 @@ class Slots:
   def _fetched(self, job: Job, position: int, ahead: bool) -> None:
     self.version += 1
     self.in_use += 1
-    self.start_buffer_fetches += (position < job.starts
-                                  and self.in_use > self.hold + self.depth)
+    beyond = self.in_use > self.hold + self.depth
+    self.start_buffer_fetches += position < job.starts and beyond
+    self.turn_buffer_fetches += (position >= job.starts and position not in job.needs
+                                 and beyond)
     self.pending.remove(position)
     if ahead:
       self.out_of_order += 1
@@ -198,7 +203,9 @@ class Slots:
                  None)
     if ahead is None:
       return WAIT
-    limit = self.limit(job, ahead)
+    # The lowest limit from the unit in order to the one ahead: the units in between
+    # take their buffers under their own limits (the turn's may exceed the head's).
+    limit = min(self.limit(job, q) for q in range(n, ahead + 1))
     reserve = max([self.hold, *(k for q, k in job.needs.items() if n <= q < ahead)])
     if len(self.ahead) + reserve >= limit:
       return WAIT

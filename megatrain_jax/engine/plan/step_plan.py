@@ -28,7 +28,8 @@ class StepPlan:
   """A batch shape's schedule, its step's operations and the device bytes they peak at.
 
   Attributes:
-    schedule: the `Schedule`, with the start buffers and device checkpoints that fit.
+    schedule: the `Schedule`, with the start and turn buffers and device
+      checkpoints that fit.
     peak: bytes by kind at the moment of the peak, and "total".
     activations: where the checkpoints wait, "device" or "host" (resolved from
       `EngineConfig.activations`).
@@ -110,6 +111,30 @@ class StepPlan:
                                       self.structures) if record else [])
     return Simulated(peak, timeline)
 
+  def with_extra_buffers(self, peak: int, most: int, kind: str, positions: int
+                         ) -> "StepPlan":
+    """This plan with up to `most` extra buffers of `kind` ("start" or "turn") for as
+    many of their positions as keep the simulated peak at `peak`: the most buffers
+    that fit at least one position, then the most positions for them.
+
+    Args:
+      peak: the peak to keep.
+      most: the buffers asked for.
+      kind: which `Schedule` fields: `<kind>_buffers` and `<kind>_positions`.
+      positions: the positions they could cover.
+
+    Returns:
+      The plan with them (this plan where none fits).
+    """
+    with_extra = lambda extra, n: dataclasses.replace(self, schedule=dataclasses.replace(
+        self.schedule, **{f"{kind}_buffers": extra, f"{kind}_positions": n}))
+    for extra in range(most, 0, -1):
+      n = largest_fitting(lambda n: with_extra(extra, n).simulate().peak["total"] <= peak,
+                          0, positions)
+      if n:
+        return with_extra(extra, n)
+    return self
+
 
 class Simulated(NamedTuple):
   """What `StepPlan.simulate` found: the peak by kind, and the timeline."""
@@ -136,3 +161,23 @@ def _program(plan: StepPlan, update: bool, started: bool) -> program_lib.StepPro
 @functools.lru_cache(maxsize=256)
 def _eval_program(plan: StepPlan) -> program_lib.StepProgram:
   return program_lib.eval_program(plan.schedule, plan.grad_accum)
+
+
+def largest_fitting(fits, lo: int, hi: int) -> int:
+  """The largest n in [lo, hi] with fits(n), by bisection.
+
+  Args:
+    fits: a predicate true up to some n and false after it.
+    lo: a value it holds for.
+    hi: the largest value to try.
+
+  Returns:
+    That n.
+  """
+  if lo < hi and fits(hi):  # often all of it fits (extra buffers far from the peak)
+    return hi
+  hi -= 1
+  while lo < hi:
+    mid = (lo + hi + 1) // 2
+    lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+  return lo
