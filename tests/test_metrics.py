@@ -181,6 +181,8 @@ def test_link_ratio_formulas(monkeypatch):
   assert out["link_compute_s"] == 2.0
   # Medians of each turn's ratio: 3/2.5, 6/6.5, 3/2.5.
   assert out["overlap_efficiency"] == pytest.approx(3.0 / 2.5)
+  assert out["overlap_efficiency_turns"] == pytest.approx([3.0 / 2.5, 6.0 / 6.5, 3.0 / 2.5])
+  assert out["link_layer_backward_turns_s"] == [0.1, 0.2, 0.1]
   assert out["no_prefetch_over_prefetch"] == pytest.approx(4.0 / 2.5)
   assert out["overlap_efficiency_deeper_prefetch"] == pytest.approx(3.0 / 2.0)
   assert out["link_deeper_prefetch_depth"] == link.EngineConfig().prefetch_depth + 1

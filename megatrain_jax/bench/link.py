@@ -142,6 +142,9 @@ def link_ratios(s: Suite) -> dict[str, Any]:
       "link_gb_per_s": layer / t_layer / 1e9,
       "link_layer_backward_s": t_layer,
       "link_layer_backward_first_s": t_first,
+      # Each turn's own, to tell a drifting machine from a steady shortfall.
+      "link_layer_backward_turns_s": list(t_layers),
+      "overlap_efficiency_turns": [b / p for b, p in zip(best, t["prefetch"])],
       "link_compute_s": med["compute"],
       "link_transfer_s": statistics.median(transfers),
       "link_step_time_s": med["prefetch"],
