@@ -129,53 +129,41 @@ def test_the_ledger_never_passes_the_model(name, slow):
                              plan=predicted)["total"] >= predicted.peak["total"]
 
 
-def test_start_buffers_stay_within_the_peak_without_them():
-  # Small activations, a deep model: one more buffer at a step's start fits.
+@pytest.mark.parametrize("kind", ["start", "turn"])
+def test_extra_buffers_stay_within_the_peak_without_them(kind):
+  # Small activations, a deep model: one more buffer fits at a step's start, and at
+  # the turn, where the head's call holds its buffers and no gradient is in flight.
   cfg = TINY.replace(n_layers=8)
   ec = mt.EngineConfig(transport=SlowGradients())
   plan = memory.step_plan(cfg, ec, 2, 8)
-  without = memory.step_plan(cfg, mt.EngineConfig(step_start_buffers=0), 2, 8)
-  assert plan.schedule.start_buffers == 1 and plan.schedule.start_positions > 0
-  assert plan.peak == without.peak
-  with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
-    for s in range(3):
-      eng.step(random_batch(cfg, 2, 8, seed=s))
-    stats = eng.stats()
-  assert stats["start_buffer_fetches"] > 0
-  assert stats["device_peak_bytes"] <= without.peak["total"]
-
-
-def test_turn_buffers_stay_within_the_peak_without_them():
-  # At the turn the head's call holds its buffers and no gradient is in flight yet:
-  # the backward's first fetches may use one more buffer without a higher peak.
-  cfg = TINY.replace(n_layers=8)
-  ec = mt.EngineConfig(transport=SlowGradients())
-  plan = memory.step_plan(cfg, ec, 2, 8)
-  without = memory.step_plan(cfg, mt.EngineConfig(turn_buffers=0), 2, 8)
+  field = "step_start_buffers" if kind == "start" else "turn_buffers"
+  without = memory.step_plan(cfg, mt.EngineConfig(**{field: 0}), 2, 8)
   s = plan.schedule
-  assert s.turn_buffers == 1 and s.turn_positions > 0
-  assert s.fetch_order[s.turn_start - 1] == s.head  # the backward's fetches follow it
-  assert s.limit(s.turn_start) == s.slots + 1 and without.schedule.limit(s.turn_start) == s.slots
+  assert getattr(s, f"{kind}_buffers") == 1 and getattr(s, f"{kind}_positions") > 0
+  first = 0 if kind == "start" else s.turn_start
+  assert s.limit(first) == s.slots + 1 and without.schedule.limit(first) == s.slots
+  assert kind == "start" or s.fetch_order[s.turn_start - 1] == s.head
   assert plan.peak == without.peak
   with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
     for seed in range(3):
       eng.step(random_batch(cfg, 2, 8, seed=seed))
     stats = eng.stats()
-  assert stats["turn_buffer_fetches"] > 0
+  assert stats[f"{kind}_buffer_fetches"] > 0
   assert stats["device_peak_bytes"] <= without.peak["total"]
 
 
 def test_no_start_buffers_without_prefetch():
   # prefetch_depth=0 means each fetch waits for the previous unit's compute: a
-  # start buffer would let the forward's fetches run one unit ahead of it.
+  # start (or turn) buffer would let the fetches run one unit ahead of it.
   cfg = TINY.replace(n_layers=8)
   ec = mt.EngineConfig(transport=SlowGradients(), prefetch_depth=0)
-  assert memory.step_plan(cfg, ec, 2, 8).schedule.start_buffers == 0
+  schedule = memory.step_plan(cfg, ec, 2, 8).schedule
+  assert schedule.start_buffers == 0 and schedule.turn_buffers == 0
   with mt.StreamingTrainer.from_config(cfg, optax.sgd(0.1), ec, jax.random.key(0)) as eng:
     for s in range(3):
       eng.step(random_batch(cfg, 2, 8, seed=s))
     stats = eng.stats()
-  assert stats["start_buffer_fetches"] == 0
+  assert stats["start_buffer_fetches"] == 0 and stats["turn_buffer_fetches"] == 0
   assert stats["device_peak_bytes"] <= memory.step_plan(cfg, ec, 2, 8).peak["total"]
 
 
