@@ -85,9 +85,9 @@ def link_ratios(s: Suite) -> dict[str, Any]:
   backward = layer_backward_timer(cfg, s.batch_size, s.seq_len)
   t_first = backward(s.warmup, s.reps)
   # The step without the link takes its turns beside the linked ones, and the link
-  # is set anew before each turn from the block's backward timed then: either timed
-  # minutes apart followed this machine's drifting speed (up to 1.4x in a few
-  # minutes), not the overlap. A link set while the machine ran fast made the
+  # is set anew before each turn from the block's backward timed then. Timed minutes
+  # apart, either one followed this machine's drifting speed (up to 1.4x in a few
+  # minutes) rather than the overlap: a link set while the machine ran fast made the
   # backward inside the later steps slower than the link, and the reverse.
   with StreamingTrainer(model(), adamw(1e-4), EngineConfig()) as plain:
     plain.step(batch)
