@@ -105,8 +105,8 @@ def link_ratios(s: Suite) -> dict[str, Any]:
         lk.gb_per_s = layer / t_layer / 1e9
       return t_layer
 
-    # Reported beside the default: one more buffer in flight, which covers the wait
-    # at a step's start (docs/performance.md, "Where the link waits").
+    # Reported beside the default: one more buffer in flight throughout, which
+    # absorbs a backward slower than the link (docs/performance.md, "The link part").
     deeper = EngineConfig().prefetch_depth + 1
     with StreamingTrainer(model(), adamw(1e-4), EngineConfig(transport=link())) as a, \
          StreamingTrainer(model(), adamw(1e-4),
